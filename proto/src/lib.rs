@@ -1,0 +1,27 @@
+//! The tokenmesh wire contract (`tokenmesh.v1`) and the small, boring pieces
+//! that every process shares: the etcd key and record schema and the metadata
+//! header names. No business logic lives here.
+#![forbid(unsafe_code)]
+
+pub mod keys;
+pub mod records;
+pub mod validate;
+
+/// Generated protobuf messages and gRPC stubs for `tokenmesh.v1`.
+#[allow(clippy::all, missing_docs)]
+pub mod v1 {
+    tonic::include_proto!("tokenmesh.v1");
+}
+
+/// Encoded file descriptor set, for gRPC server reflection.
+pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("tokenmesh_descriptor");
+
+/// Metadata header names shared by router, workers and clients.
+pub mod headers {
+    /// Request: pins a version; response: the version that served.
+    pub const VERSION: &str = "x-tokenmesh-version";
+    /// Response: the worker that served.
+    pub const WORKER: &str = "x-tokenmesh-worker";
+    /// Request: sticky-session key.
+    pub const SESSION: &str = "x-tokenmesh-session";
+}

@@ -1,0 +1,92 @@
+//! Command-line configuration of `tokenmesh-router`.
+use clap::Parser;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// The tokenmesh router: one gRPC endpoint in front of every worker.
+#[derive(Parser, Clone, Debug)]
+#[command(name = "tokenmesh-router", version)]
+pub struct RouterConfig {
+    /// Address to serve gRPC on.
+    #[arg(long, env = "TOKENMESH_LISTEN", default_value = "0.0.0.0:50051")]
+    pub listen: SocketAddr,
+
+    /// etcd endpoints, comma-separated (discovery by watch).
+    #[arg(
+        long,
+        env = "TOKENMESH_ETCD",
+        value_delimiter = ',',
+        conflicts_with = "static_file"
+    )]
+    pub etcd: Vec<String>,
+
+    /// Prefix of every etcd key.
+    #[arg(long, env = "TOKENMESH_ETCD_PREFIX", default_value = "/tokenmesh")]
+    pub etcd_prefix: String,
+
+    /// Static discovery: a TOML file listing workers and traffic policies.
+    #[arg(long = "static", env = "TOKENMESH_STATIC", value_name = "FILE")]
+    pub static_file: Option<PathBuf>,
+
+    /// Serve and dial plaintext gRPC (development only). Required until mTLS lands.
+    #[arg(long, env = "TOKENMESH_INSECURE")]
+    pub insecure: bool,
+
+    /// Directory with ca.pem, router.pem and router.key for mutual TLS.
+    #[arg(long, env = "TOKENMESH_TLS_DIR")]
+    pub tls_dir: Option<PathBuf>,
+
+    /// HTTP/2 keepalive ping interval to workers, in milliseconds.
+    #[arg(
+        long,
+        env = "TOKENMESH_KEEPALIVE_INTERVAL_MS",
+        default_value_t = 30_000
+    )]
+    pub keepalive_interval_ms: u64,
+
+    /// How long a keepalive ping may go unanswered, in milliseconds.
+    #[arg(long, env = "TOKENMESH_KEEPALIVE_TIMEOUT_MS", default_value_t = 10_000)]
+    pub keepalive_timeout_ms: u64,
+
+    /// Connect timeout to a worker, in milliseconds.
+    #[arg(long, env = "TOKENMESH_CONNECT_TIMEOUT_MS", default_value_t = 2_000)]
+    pub connect_timeout_ms: u64,
+
+    /// How often each worker's Status (load, draining) is polled, in milliseconds.
+    #[arg(long, env = "TOKENMESH_STATUS_INTERVAL_MS", default_value_t = 1_000)]
+    pub status_interval_ms: u64,
+
+    /// Workers tried for one request before the first token.
+    #[arg(long, env = "TOKENMESH_MAX_ATTEMPTS", default_value_t = 3)]
+    pub max_attempts: u32,
+
+    /// Times a stream may move to another worker after tokens were sent.
+    #[arg(long, env = "TOKENMESH_MAX_FAILOVERS", default_value_t = 2)]
+    pub max_failovers: u32,
+
+    /// Log filter (tracing-subscriber EnvFilter syntax).
+    #[arg(long, env = "TOKENMESH_LOG", default_value = "info")]
+    pub log: String,
+}
+
+impl RouterConfig {
+    /// Channel settings for worker connections.
+    pub fn channel(&self) -> ChannelSettings {
+        ChannelSettings {
+            keepalive_interval: Duration::from_millis(self.keepalive_interval_ms),
+            keepalive_timeout: Duration::from_millis(self.keepalive_timeout_ms),
+            connect_timeout: Duration::from_millis(self.connect_timeout_ms),
+            status_interval: Duration::from_millis(self.status_interval_ms),
+        }
+    }
+}
+
+/// How the router talks to workers.
+#[derive(Clone, Debug)]
+pub struct ChannelSettings {
+    pub keepalive_interval: Duration,
+    pub keepalive_timeout: Duration,
+    pub connect_timeout: Duration,
+    pub status_interval: Duration,
+}

@@ -1,0 +1,146 @@
+//! etcd discovery: read `workers/` and `models/` at one revision, then watch
+//! both from the next revision, so no change between the read and the watch is
+//! missed. If etcd goes away the registry keeps the last known state; on
+//! reconnection everything is read again and stale entries are dropped.
+use crate::registry::Registry;
+use etcd_client::{Client, ConnectOptions, EventType, GetOptions, WatchOptions};
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+use tokenmesh_proto::keys::Keys;
+use tokenmesh_proto::records::{PolicyRecord, WorkerRecord};
+
+/// Runs discovery forever.
+pub async fn run(endpoints: Vec<String>, keys: Keys, registry: Arc<Registry>) {
+    let mut backoff = Duration::from_millis(200);
+    loop {
+        match sync_and_watch(&endpoints, &keys, &registry).await {
+            Ok(()) => backoff = Duration::from_millis(200),
+            Err(e) => {
+                tracing::warn!(error = %e, "etcd discovery interrupted; keeping the last known state");
+            }
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(5));
+    }
+}
+
+async fn sync_and_watch(
+    endpoints: &[String],
+    keys: &Keys,
+    registry: &Registry,
+) -> Result<(), etcd_client::Error> {
+    let opts = ConnectOptions::new()
+        .with_connect_timeout(Duration::from_secs(2))
+        .with_keep_alive(Duration::from_secs(5), Duration::from_secs(3))
+        .with_keep_alive_while_idle(true);
+    let mut client = Client::connect(endpoints, Some(opts)).await?;
+
+    let workers = client
+        .get(keys.workers_prefix(), Some(GetOptions::new().with_prefix()))
+        .await?;
+    let revision = workers.header().map(|h| h.revision()).unwrap_or(0);
+    // Read policies at the same revision as the workers.
+    let models = client
+        .get(
+            keys.models_prefix(),
+            Some(GetOptions::new().with_prefix().with_revision(revision)),
+        )
+        .await?;
+    let mut seen_workers = HashSet::new();
+    for kv in workers.kvs() {
+        if let Some(id) = apply_worker_put(keys, registry, kv.key_str()?, kv.value()) {
+            seen_workers.insert(id);
+        }
+    }
+    registry.retain_workers(&seen_workers);
+    let mut seen_models = HashSet::new();
+    for kv in models.kvs() {
+        if let Some(m) = apply_policy_put(keys, registry, kv.key_str()?, kv.value()) {
+            seen_models.insert(m);
+        }
+    }
+    registry.retain_policies(&seen_models);
+    tracing::info!(
+        revision,
+        workers = seen_workers.len(),
+        policies = seen_models.len(),
+        "etcd snapshot"
+    );
+
+    let watch_from = |prefix: String| {
+        (
+            prefix,
+            WatchOptions::new()
+                .with_prefix()
+                .with_start_revision(revision + 1),
+        )
+    };
+    let (wp, wo) = watch_from(keys.workers_prefix());
+    let mut worker_watch = client.watch(wp, Some(wo)).await?;
+    let (mp, mo) = watch_from(keys.models_prefix());
+    let mut model_watch = client.watch(mp, Some(mo)).await?;
+    loop {
+        let resp = tokio::select! {
+            r = worker_watch.message() => r?,
+            r = model_watch.message() => r?,
+        };
+        let Some(resp) = resp else {
+            return Err(etcd_client::Error::WatchError("watch stream ended".into()));
+        };
+        if resp.canceled() {
+            return Err(etcd_client::Error::WatchError(format!(
+                "watch cancelled: {}",
+                resp.cancel_reason()
+            )));
+        }
+        for ev in resp.events() {
+            let Some(kv) = ev.kv() else { continue };
+            let key = kv.key_str()?;
+            match ev.event_type() {
+                EventType::Put => {
+                    apply_worker_put(keys, registry, key, kv.value());
+                    apply_policy_put(keys, registry, key, kv.value());
+                }
+                EventType::Delete => {
+                    if let Some((_, _, id)) = keys.parse_worker(key) {
+                        registry.remove_worker(id);
+                    } else if let Some(model) = keys.parse_policy(key) {
+                        registry.set_policy(model, None);
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn apply_worker_put(keys: &Keys, registry: &Registry, key: &str, value: &[u8]) -> Option<String> {
+    let (model, version, id) = keys.parse_worker(key)?;
+    match serde_json::from_slice::<WorkerRecord>(value) {
+        Ok(record) => match registry.upsert_worker(id, model, version, record) {
+            Ok(()) => Some(id.to_string()),
+            Err(e) => {
+                tracing::warn!(key, error = %e, "ignoring worker registration");
+                None
+            }
+        },
+        Err(e) => {
+            tracing::warn!(key, error = %e, "ignoring malformed worker registration");
+            None
+        }
+    }
+}
+
+fn apply_policy_put(keys: &Keys, registry: &Registry, key: &str, value: &[u8]) -> Option<String> {
+    let model = keys.parse_policy(key)?;
+    match serde_json::from_slice::<PolicyRecord>(value) {
+        Ok(p) => {
+            registry.set_policy(model, Some(p));
+            Some(model.to_string())
+        }
+        Err(e) => {
+            tracing::warn!(key, error = %e, "ignoring malformed traffic policy; keeping the previous one");
+            None
+        }
+    }
+}

@@ -1,0 +1,96 @@
+//! tokenmesh router: one gRPC endpoint that picks a model version by traffic
+//! policy and a worker of that version by live load, and streams tokens back.
+#![forbid(unsafe_code)]
+
+pub mod balance;
+pub mod config;
+pub mod discovery;
+pub mod errors;
+pub mod policy;
+pub mod registry;
+pub mod relay;
+pub mod server;
+
+use config::RouterConfig;
+use registry::Registry;
+use server::{InferenceService, RoutingSettings};
+use std::future::Future;
+use tokenmesh_proto::keys::Keys;
+use tokenmesh_proto::v1::inference_server::InferenceServer;
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+
+/// Why the router could not start or stopped abnormally.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error("choose a transport: --tls-dir DIR for mutual TLS, or --insecure for plaintext (development only)")]
+    NoTransport,
+    #[error("--tls-dir: mutual TLS is not implemented in this build yet; use --insecure")]
+    TlsUnsupported,
+    #[error("choose discovery: --etcd URL[,URL...] or --static FILE")]
+    NoDiscovery,
+    #[error(transparent)]
+    Discovery(#[from] discovery::DiscoveryError),
+    #[error("gRPC server: {0}")]
+    Serve(#[from] tonic::transport::Error),
+    #[error("listener: {0}")]
+    Listener(std::io::Error),
+}
+
+/// Serves `Inference` on `listener` until `shutdown` resolves.
+pub async fn run(
+    cfg: RouterConfig,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), RunError> {
+    if cfg.tls_dir.is_some() {
+        return Err(RunError::TlsUnsupported);
+    }
+    if !cfg.insecure {
+        return Err(RunError::NoTransport);
+    }
+    tracing::warn!("serving and dialing plaintext gRPC (--insecure): development only");
+    let registry = Registry::new(cfg.channel());
+    if let Some(path) = &cfg.static_file {
+        discovery::static_file::load(path, &registry)?;
+    } else if !cfg.etcd.is_empty() {
+        tokio::spawn(discovery::etcd::run(
+            cfg.etcd.clone(),
+            Keys::new(&cfg.etcd_prefix),
+            registry.clone(),
+        ));
+    } else {
+        return Err(RunError::NoDiscovery);
+    }
+    let service = InferenceService::new(
+        registry,
+        RoutingSettings {
+            max_attempts: cfg.max_attempts,
+            max_failovers: cfg.max_failovers,
+        },
+    );
+    let (health_reporter, health_service) = tonic_health::server::health_reporter();
+    health_reporter
+        .set_serving::<InferenceServer<InferenceService>>()
+        .await;
+    let reflection_v1 = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(tokenmesh_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .expect("the embedded descriptor sets are valid");
+    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(tokenmesh_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1alpha()
+        .expect("the embedded descriptor sets are valid");
+    let bound = listener.local_addr().map_err(RunError::Listener)?;
+    println!("tokenmesh-router ready on {bound}");
+    tonic::transport::Server::builder()
+        .add_service(health_service)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha)
+        .add_service(InferenceServer::new(service))
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .await?;
+    Ok(())
+}

@@ -1,0 +1,272 @@
+//! What the router knows: models, their traffic policies, and one endpoint per
+//! worker with its channel and live load. Discovery backends write it; the
+//! request path reads it.
+use crate::config::ChannelSettings;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, RwLock};
+use tokenmesh_proto::records::{PolicyRecord, WorkerRecord};
+use tokenmesh_proto::v1::worker_client::WorkerClient;
+use tokenmesh_proto::v1::StatusRequest;
+use tonic::transport::{Channel, Endpoint as TonicEndpoint};
+
+/// One worker as the router sees it.
+#[derive(Debug)]
+pub struct Endpoint {
+    pub id: String,
+    pub model: String,
+    pub version: String,
+    pub record: WorkerRecord,
+    pub channel: Channel,
+    /// Streams from this router that have not ended yet.
+    pub in_flight: AtomicU32,
+    /// Queue depth from the worker's last Status.
+    pub reported_queue: AtomicU32,
+    /// The last Status poll succeeded.
+    pub healthy: AtomicBool,
+    /// The worker said it is draining.
+    pub draining: AtomicBool,
+    /// Dropped when the endpoint leaves the registry: stops its poller.
+    _stop: tokio::sync::oneshot::Sender<()>,
+}
+
+impl Endpoint {
+    /// Whether new streams may go here.
+    pub fn ready(&self) -> bool {
+        self.healthy.load(Ordering::SeqCst) && !self.draining.load(Ordering::SeqCst)
+    }
+
+    /// Live load: streams in flight from this router plus the worker's queue.
+    pub fn load(&self) -> u32 {
+        self.in_flight.load(Ordering::SeqCst) + self.reported_queue.load(Ordering::SeqCst)
+    }
+
+    /// A gRPC client over the endpoint's shared channel.
+    pub fn client(&self) -> WorkerClient<Channel> {
+        WorkerClient::new(self.channel.clone())
+    }
+}
+
+/// Counts one stream against an endpoint's load until dropped (that is, until
+/// the stream ends, not when its headers arrive).
+pub struct InFlight(Arc<Endpoint>);
+
+impl InFlight {
+    /// Starts counting.
+    pub fn new(ep: Arc<Endpoint>) -> Self {
+        ep.in_flight.fetch_add(1, Ordering::SeqCst);
+        Self(ep)
+    }
+
+    /// The endpoint counted.
+    pub fn endpoint(&self) -> &Arc<Endpoint> {
+        &self.0
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// One model's versions and policy.
+#[derive(Debug, Default, Clone)]
+pub struct ModelEntry {
+    pub policy: Option<PolicyRecord>,
+    /// version -> endpoints.
+    pub versions: BTreeMap<String, Vec<Arc<Endpoint>>>,
+}
+
+/// The shared routing state.
+pub struct Registry {
+    settings: ChannelSettings,
+    workers: RwLock<HashMap<String, Arc<Endpoint>>>,
+    policies: RwLock<HashMap<String, PolicyRecord>>,
+}
+
+/// Why a worker could not be added.
+#[derive(Debug, thiserror::Error)]
+#[error("worker {id}: invalid address {addr:?}: {reason}")]
+pub struct BadAddress {
+    pub id: String,
+    pub addr: String,
+    pub reason: String,
+}
+
+impl Registry {
+    /// An empty registry whose channels use `settings`.
+    pub fn new(settings: ChannelSettings) -> Arc<Self> {
+        Arc::new(Self {
+            settings,
+            workers: RwLock::new(HashMap::new()),
+            policies: RwLock::new(HashMap::new()),
+        })
+    }
+
+    /// Adds or replaces a worker. An unchanged registration keeps its channel.
+    pub fn upsert_worker(
+        &self,
+        id: &str,
+        model: &str,
+        version: &str,
+        record: WorkerRecord,
+    ) -> Result<(), BadAddress> {
+        if let Some(existing) = self.workers.read().expect("registry lock").get(id) {
+            if existing.record == record && existing.model == model && existing.version == version {
+                return Ok(());
+            }
+        }
+        let bad = |reason: String| BadAddress {
+            id: id.into(),
+            addr: record.addr.clone(),
+            reason,
+        };
+        let s = &self.settings;
+        let channel = TonicEndpoint::from_shared(record.addr.clone())
+            .map_err(|e| bad(e.to_string()))?
+            .connect_timeout(s.connect_timeout)
+            .http2_keep_alive_interval(s.keepalive_interval)
+            .keep_alive_timeout(s.keepalive_timeout)
+            .keep_alive_while_idle(true)
+            .tcp_nodelay(true)
+            .connect_lazy();
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel();
+        let ep = Arc::new(Endpoint {
+            id: id.into(),
+            model: model.into(),
+            version: version.into(),
+            record,
+            channel,
+            in_flight: AtomicU32::new(0),
+            reported_queue: AtomicU32::new(0),
+            healthy: AtomicBool::new(false),
+            draining: AtomicBool::new(false),
+            _stop: stop_tx,
+        });
+        tokio::spawn(poll_status(Arc::downgrade(&ep), s.status_interval, stop_rx));
+        tracing::info!(worker = %id, model, version, addr = %ep.record.addr, "worker added");
+        self.workers
+            .write()
+            .expect("registry lock")
+            .insert(id.into(), ep);
+        Ok(())
+    }
+
+    /// Removes a worker; streams already on it continue.
+    pub fn remove_worker(&self, id: &str) {
+        if self
+            .workers
+            .write()
+            .expect("registry lock")
+            .remove(id)
+            .is_some()
+        {
+            tracing::info!(worker = %id, "worker removed");
+        }
+    }
+
+    /// Keeps only the listed worker ids (after a full resynchronisation).
+    pub fn retain_workers(&self, keep: &std::collections::HashSet<String>) {
+        self.workers
+            .write()
+            .expect("registry lock")
+            .retain(|id, _| keep.contains(id));
+    }
+
+    /// Sets or clears a model's traffic policy.
+    pub fn set_policy(&self, model: &str, policy: Option<PolicyRecord>) {
+        let mut p = self.policies.write().expect("registry lock");
+        match policy {
+            Some(policy) => {
+                tracing::info!(model, ?policy, "traffic policy");
+                p.insert(model.into(), policy);
+            }
+            None => {
+                p.remove(model);
+            }
+        }
+    }
+
+    /// Keeps only the listed policies (after a full resynchronisation).
+    pub fn retain_policies(&self, keep: &std::collections::HashSet<String>) {
+        self.policies
+            .write()
+            .expect("registry lock")
+            .retain(|m, _| keep.contains(m));
+    }
+
+    /// Every model known from workers or policies, with its endpoints.
+    pub fn models(&self) -> BTreeMap<String, ModelEntry> {
+        let mut out: BTreeMap<String, ModelEntry> = BTreeMap::new();
+        for ep in self.workers.read().expect("registry lock").values() {
+            out.entry(ep.model.clone())
+                .or_default()
+                .versions
+                .entry(ep.version.clone())
+                .or_default()
+                .push(ep.clone());
+        }
+        for (model, policy) in self.policies.read().expect("registry lock").iter() {
+            out.entry(model.clone()).or_default().policy = Some(policy.clone());
+        }
+        out
+    }
+
+    /// One model's entry, if it is known.
+    pub fn model(&self, name: &str) -> Option<ModelEntry> {
+        let mut entry = ModelEntry::default();
+        let mut found = false;
+        for ep in self.workers.read().expect("registry lock").values() {
+            if ep.model == name {
+                found = true;
+                entry
+                    .versions
+                    .entry(ep.version.clone())
+                    .or_default()
+                    .push(ep.clone());
+            }
+        }
+        if let Some(p) = self.policies.read().expect("registry lock").get(name) {
+            found = true;
+            entry.policy = Some(p.clone());
+        }
+        found.then_some(entry)
+    }
+}
+
+/// Polls a worker's Status until the endpoint is dropped: health, load and
+/// draining come from here.
+async fn poll_status(
+    ep: std::sync::Weak<Endpoint>,
+    every: std::time::Duration,
+    mut stop: tokio::sync::oneshot::Receiver<()>,
+) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = &mut stop => return,
+        }
+        let Some(ep) = ep.upgrade() else { return };
+        let mut client = ep.client();
+        let mut req = tonic::Request::new(StatusRequest {});
+        req.set_timeout(every.max(std::time::Duration::from_millis(500)));
+        match client.status(req).await {
+            Ok(resp) => {
+                let s = resp.into_inner();
+                ep.reported_queue.store(s.queue_depth, Ordering::SeqCst);
+                ep.draining.store(s.draining, Ordering::SeqCst);
+                if !ep.healthy.swap(true, Ordering::SeqCst) {
+                    tracing::info!(worker = %ep.id, "worker healthy");
+                }
+            }
+            Err(e) => {
+                if ep.healthy.swap(false, Ordering::SeqCst) {
+                    tracing::warn!(worker = %ep.id, error = %e.message(), "worker unhealthy");
+                }
+            }
+        }
+    }
+}

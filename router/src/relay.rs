@@ -1,0 +1,201 @@
+//! Carries one client stream across one or more worker streams.
+//!
+//! The router numbers the client's messages itself, replaces each worker's
+//! `Accepted` with its own (only the first reaches the client), and records
+//! every token id it forwards. If a worker fails before the stream finished,
+//! the request continues on another worker of the same version from the tokens
+//! already delivered, so the client sees one unbroken stream. A client that
+//! goes away drops the upstream stream at once, which frees the sequence on
+//! the worker.
+use crate::balance;
+use crate::errors::{retryable, RouterError};
+use crate::registry::{InFlight, Registry};
+use std::sync::Arc;
+use std::time::Instant;
+use tokenmesh_proto::v1::{
+    generate_response::Event, Accepted, GenerateRequest, GenerateResponse, WorkerGenerateRequest,
+};
+use tokio::sync::mpsc;
+use tonic::{Status, Streaming};
+
+/// A worker stream that has been opened, with the worker it runs on.
+pub struct Upstream {
+    pub stream: Streaming<GenerateResponse>,
+    pub guard: InFlight,
+}
+
+/// Everything the relay needs to continue a request elsewhere.
+pub struct RelayContext {
+    pub registry: Arc<Registry>,
+    pub request: GenerateRequest,
+    pub accepted: Accepted,
+    pub max_attempts: u32,
+    pub max_failovers: u32,
+    pub tried: Vec<String>,
+    pub started: Instant,
+}
+
+/// Opens a worker stream for `request` on the best ready worker of
+/// `model`/`version`, retrying on other workers for retryable failures.
+pub async fn open(
+    registry: &Registry,
+    request: &GenerateRequest,
+    version: &str,
+    emitted: &[u32],
+    tried: &mut Vec<String>,
+    max_attempts: u32,
+) -> Result<Upstream, Status> {
+    let mut last_error: Option<Status> = None;
+    for _ in 0..max_attempts.max(1) {
+        let candidates = registry
+            .model(&request.model)
+            .and_then(|m| m.versions.get(version).cloned())
+            .unwrap_or_default();
+        let Some(ep) = balance::pick(&candidates, tried, &mut rand::rng()) else {
+            break;
+        };
+        tried.push(ep.id.clone());
+        let guard = InFlight::new(ep.clone());
+        let mut client = ep.client();
+        let call = WorkerGenerateRequest {
+            request: Some(request.clone()),
+            emitted_token_ids: emitted.to_vec(),
+        };
+        match client.generate(call).await {
+            Ok(resp) => {
+                return Ok(Upstream {
+                    stream: resp.into_inner(),
+                    guard,
+                })
+            }
+            Err(status) if retryable(&status) => {
+                tracing::warn!(worker = %ep.id, code = ?status.code(), error = %status.message(), "worker refused; trying another");
+                last_error = Some(status);
+            }
+            Err(status) => return Err(status),
+        }
+    }
+    Err(match last_error {
+        Some(s) => Status::new(
+            s.code(),
+            format!("no worker could take the request: {}", s.message()),
+        ),
+        None => RouterError::NoWorker {
+            model: request.model.clone(),
+            version: Some(version.into()),
+        }
+        .into_status(),
+    })
+}
+
+/// Pumps messages from workers to the client until the stream finishes, the
+/// client leaves, or no worker can continue.
+pub async fn run(
+    mut ctx: RelayContext,
+    mut upstream: Upstream,
+    out: mpsc::Sender<Result<GenerateResponse, Status>>,
+) {
+    let mut seq: u64 = 0;
+    let mut emitted: Vec<u32> = Vec::new();
+    let mut failovers: u32 = 0;
+    let send = |seq: &mut u64, event: Event| {
+        let msg = GenerateResponse {
+            seq: *seq,
+            event: Some(event),
+        };
+        *seq += 1;
+        msg
+    };
+    let first = send(&mut seq, Event::Accepted(ctx.accepted.clone()));
+    if out.send(Ok(first)).await.is_err() {
+        return;
+    }
+    loop {
+        let next = tokio::select! {
+            m = upstream.stream.message() => m,
+            _ = out.closed() => {
+                tracing::debug!(request_id = %ctx.accepted.request_id, "client went away; dropping upstream");
+                return;
+            }
+        };
+        let failure = match next {
+            Ok(Some(msg)) => match msg.event {
+                Some(Event::Accepted(_)) | None => continue,
+                Some(Event::Delta(d)) => {
+                    emitted.extend_from_slice(&d.token_ids);
+                    let m = send(&mut seq, Event::Delta(d));
+                    if out.send(Ok(m)).await.is_err() {
+                        return;
+                    }
+                    continue;
+                }
+                Some(Event::Finished(mut f)) => {
+                    f.failovers = failovers;
+                    if let Some(t) = f.timings.as_mut() {
+                        t.total_ms = ctx.started.elapsed().as_secs_f64() * 1000.0;
+                    }
+                    let m = send(&mut seq, Event::Finished(f));
+                    let _ = out.send(Ok(m)).await;
+                    return;
+                }
+            },
+            Ok(None) => Status::unavailable("worker ended the stream without finishing"),
+            Err(status) if !retryable(&status) => {
+                let _ = out.send(Err(status)).await;
+                return;
+            }
+            Err(status) => status,
+        };
+        let lost = upstream.guard.endpoint().id.clone();
+        tracing::warn!(
+            request_id = %ctx.accepted.request_id,
+            worker = %lost,
+            delivered = emitted.len(),
+            error = %failure.message(),
+            "worker lost mid-stream"
+        );
+        if failovers >= ctx.max_failovers {
+            let _ = out
+                .send(Err(RouterError::StreamLost {
+                    delivered: emitted.len(),
+                    reason: format!("failover limit of {} reached", ctx.max_failovers),
+                }
+                .into_status()))
+                .await;
+            return;
+        }
+        failovers += 1;
+        let version = ctx.accepted.version.clone();
+        match open(
+            &ctx.registry,
+            &ctx.request,
+            &version,
+            &emitted,
+            &mut ctx.tried,
+            ctx.max_attempts,
+        )
+        .await
+        {
+            Ok(next) => {
+                tracing::info!(
+                    request_id = %ctx.accepted.request_id,
+                    from = %lost,
+                    to = %next.guard.endpoint().id,
+                    delivered = emitted.len(),
+                    "stream continues on another worker"
+                );
+                upstream = next;
+            }
+            Err(e) => {
+                let _ = out
+                    .send(Err(RouterError::StreamLost {
+                        delivered: emitted.len(),
+                        reason: e.message().to_string(),
+                    }
+                    .into_status()))
+                    .await;
+                return;
+            }
+        }
+    }
+}

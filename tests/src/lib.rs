@@ -1,0 +1,426 @@
+//! Harness for the end-to-end suites: starts real etcd, workers and routers on
+//! ephemeral loopback ports, waits for them with readiness probes (never fixed
+//! sleeps), and stops them when dropped.
+use anyhow::{bail, Context, Result};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+use tokenmesh_proto::v1::inference_client::InferenceClient;
+use tokenmesh_proto::v1::worker_client::WorkerClient;
+use tokenmesh_proto::v1::{
+    generate_response::Event, Accepted, ChatMessage, Finished, GenerateRequest, ListModelsRequest,
+    StatusRequest,
+};
+use tonic::transport::Channel;
+
+/// Where the release binaries are: `TOKENMESH_BIN_DIR`, else the profile
+/// directory this test binary was built into (target/<profile>/deps/..).
+pub fn bin_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("TOKENMESH_BIN_DIR") {
+        return PathBuf::from(d);
+    }
+    let exe = std::env::current_exe().expect("test executable path");
+    exe.parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>/deps")
+        .to_path_buf()
+}
+
+/// A binary of the workspace; it must have been built (`cargo build --release`).
+pub fn bin(name: &str) -> PathBuf {
+    let p = bin_dir().join(name);
+    assert!(
+        p.is_file(),
+        "{} is missing: build the workspace first (cargo build --release --workspace)",
+        p.display()
+    );
+    p
+}
+
+/// The model file: `TOKENMESH_TEST_MODEL`, else the default model's cache path.
+pub fn model_path() -> PathBuf {
+    if let Some(p) = std::env::var_os("TOKENMESH_TEST_MODEL") {
+        return PathBuf::from(p);
+    }
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_default();
+    let cache = std::env::var_os("TOKENMESH_MODEL_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| home.join(".cache/tokenmesh/models"));
+    let p = cache.join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(
+        p.is_file(),
+        "model file {} is missing: run scripts/test.sh (it fetches the model) or set TOKENMESH_TEST_MODEL",
+        p.display()
+    );
+    p
+}
+
+/// The name the default model is served under.
+pub const MODEL: &str = "smollm2-135m-instruct";
+
+/// A port that was free a moment ago.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("binding an ephemeral port")
+}
+
+/// A child process killed (SIGKILL) when dropped, with its output in a log file.
+pub struct Proc {
+    pub name: String,
+    child: Child,
+    pub log: PathBuf,
+}
+
+impl Proc {
+    /// Starts `program args`, logging to `dir/name.log`.
+    pub fn spawn(name: &str, program: &Path, args: &[String], dir: &Path) -> Result<Self> {
+        let log = dir.join(format!("{name}.log"));
+        let file = std::fs::File::create(&log)?;
+        let child = Command::new(program)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(file.try_clone()?)
+            .stderr(file)
+            .spawn()
+            .with_context(|| format!("starting {}", program.display()))?;
+        Ok(Self {
+            name: name.into(),
+            child,
+            log,
+        })
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> nix::unistd::Pid {
+        nix::unistd::Pid::from_raw(self.child.id() as i32)
+    }
+
+    /// Sends a signal.
+    pub fn signal(&self, sig: nix::sys::signal::Signal) {
+        let _ = nix::sys::signal::kill(self.pid(), sig);
+    }
+
+    /// Waits up to `timeout` for the process to exit; its exit code if it did.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if let Ok(Some(s)) = self.child.try_wait() {
+                return Some(s);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+
+    /// True while the process runs.
+    pub fn running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// The log so far, for failure messages.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.signal(nix::sys::signal::Signal::SIGCONT);
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A single-node etcd from Debian's etcd-server package.
+pub struct Etcd {
+    pub url: String,
+    _proc: Proc,
+    _dir: tempfile::TempDir,
+}
+
+impl Etcd {
+    /// Starts etcd on free loopback ports and waits until it answers.
+    pub async fn start() -> Result<Self> {
+        let dir = tempfile::tempdir()?;
+        let (client, peer) = (free_port(), free_port());
+        let url = format!("http://127.0.0.1:{client}");
+        let peer_url = format!("http://127.0.0.1:{peer}");
+        let args: Vec<String> = [
+            "--name",
+            "test",
+            "--data-dir",
+            &dir.path().join("data").display().to_string(),
+            "--listen-client-urls",
+            &url,
+            "--advertise-client-urls",
+            &url,
+            "--listen-peer-urls",
+            &peer_url,
+            "--initial-advertise-peer-urls",
+            &peer_url,
+            "--initial-cluster",
+            &format!("test={peer_url}"),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let etcd = which("etcd").context("etcd is not installed (apt-get install etcd-server)")?;
+        let mut proc = Proc::spawn("etcd", &etcd, &args, dir.path())?;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Ok(mut c) = etcd_client::Client::connect([url.as_str()], None).await {
+                if c.get("probe", None).await.is_ok() {
+                    break;
+                }
+            }
+            if !proc.running() || Instant::now() > deadline {
+                bail!("etcd did not start:\n{}", proc.log_text());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Ok(Self {
+            url,
+            _proc: proc,
+            _dir: dir,
+        })
+    }
+
+    /// A client.
+    pub async fn client(&self) -> etcd_client::Client {
+        etcd_client::Client::connect([self.url.as_str()], None)
+            .await
+            .expect("connecting to the test etcd")
+    }
+}
+
+fn which(name: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|p| p.join(name))
+            .find(|p| p.is_file())
+    })
+}
+
+/// A worker process.
+pub struct WorkerProc {
+    pub id: String,
+    pub addr: String,
+    pub proc: Proc,
+}
+
+/// Options for a worker.
+#[derive(Clone, Debug)]
+pub struct WorkerOpts {
+    pub id: String,
+    pub version: String,
+    pub etcd: Option<String>,
+    pub extra: Vec<String>,
+}
+
+impl WorkerOpts {
+    /// A worker with this id, version v1, no etcd.
+    pub fn new(id: &str) -> Self {
+        Self {
+            id: id.into(),
+            version: "v1".into(),
+            etcd: None,
+            extra: vec![],
+        }
+    }
+}
+
+impl WorkerProc {
+    /// Starts a worker with the real model and waits until it serves.
+    pub async fn start(opts: WorkerOpts, dir: &Path) -> Result<Self> {
+        let port = free_port();
+        let mut args: Vec<String> = vec![
+            "--listen".into(),
+            format!("127.0.0.1:{port}"),
+            "--insecure".into(),
+            "--model".into(),
+            model_path().display().to_string(),
+            "--model-version".into(),
+            opts.version.clone(),
+            "--worker-id".into(),
+            opts.id.clone(),
+            "--threads".into(),
+            "1".into(),
+        ];
+        if let Some(e) = &opts.etcd {
+            args.extend(["--etcd".into(), e.clone()]);
+        }
+        args.extend(opts.extra.iter().cloned());
+        let mut proc = Proc::spawn(&opts.id, &bin("tokenmesh-worker"), &args, dir)?;
+        let addr = format!("http://127.0.0.1:{port}");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Ok(mut c) = WorkerClient::connect(addr.clone()).await {
+                if c.status(StatusRequest {}).await.is_ok() {
+                    break;
+                }
+            }
+            if !proc.running() || Instant::now() > deadline {
+                bail!("worker {} did not start:\n{}", opts.id, proc.log_text());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Ok(Self {
+            id: opts.id,
+            addr,
+            proc,
+        })
+    }
+
+    /// A Worker client.
+    pub async fn client(&self) -> WorkerClient<Channel> {
+        WorkerClient::connect(self.addr.clone())
+            .await
+            .expect("connecting to a worker")
+    }
+}
+
+/// A router process.
+pub struct RouterProc {
+    pub addr: String,
+    pub proc: Proc,
+}
+
+impl RouterProc {
+    /// Starts a router with the given discovery arguments and waits until it serves.
+    pub async fn start(discovery: &[String], dir: &Path) -> Result<Self> {
+        let port = free_port();
+        let mut args: Vec<String> = vec![
+            "--listen".into(),
+            format!("127.0.0.1:{port}"),
+            "--insecure".into(),
+            "--status-interval-ms".into(),
+            "200".into(),
+        ];
+        args.extend(discovery.iter().cloned());
+        let mut proc = Proc::spawn("router", &bin("tokenmesh-router"), &args, dir)?;
+        let addr = format!("http://127.0.0.1:{port}");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(mut c) = InferenceClient::connect(addr.clone()).await {
+                if c.list_models(ListModelsRequest {}).await.is_ok() {
+                    break;
+                }
+            }
+            if !proc.running() || Instant::now() > deadline {
+                bail!("router did not start:\n{}", proc.log_text());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Ok(Self { addr, proc })
+    }
+
+    /// An Inference client.
+    pub async fn client(&self) -> InferenceClient<Channel> {
+        InferenceClient::connect(self.addr.clone())
+            .await
+            .expect("connecting to the router")
+    }
+
+    /// Waits until the router sees exactly `want` ready workers of `model`.
+    pub async fn wait_ready_workers(
+        &self,
+        model: &str,
+        want: usize,
+        timeout: Duration,
+    ) -> Result<Vec<String>> {
+        let deadline = Instant::now() + timeout;
+        let mut client = self.client().await;
+        loop {
+            let resp = client.list_models(ListModelsRequest {}).await?.into_inner();
+            let ready: Vec<String> = resp
+                .models
+                .iter()
+                .filter(|m| m.name == model)
+                .flat_map(|m| m.versions.iter().flat_map(|v| v.worker_ids.clone()))
+                .collect();
+            if ready.len() == want {
+                return Ok(ready);
+            }
+            if Instant::now() > deadline {
+                bail!("router sees {ready:?}, wanted {want} ready workers");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+/// Everything one Generate stream delivered.
+#[derive(Debug, Default)]
+pub struct Collected {
+    pub accepted: Option<Accepted>,
+    pub text: String,
+    pub token_ids: Vec<u32>,
+    pub finished: Option<Finished>,
+    pub seqs: Vec<u64>,
+}
+
+/// Runs a Generate to its end and collects it; checks seq numbering.
+pub async fn collect(
+    client: &mut InferenceClient<Channel>,
+    req: GenerateRequest,
+) -> std::result::Result<Collected, tonic::Status> {
+    let mut stream = client.generate(req).await?.into_inner();
+    let mut out = Collected::default();
+    while let Some(msg) = stream.message().await? {
+        out.seqs.push(msg.seq);
+        match msg.event {
+            Some(Event::Accepted(a)) => out.accepted = Some(a),
+            Some(Event::Delta(d)) => {
+                out.text.push_str(&d.text);
+                out.token_ids.extend(d.token_ids);
+            }
+            Some(Event::Finished(f)) => out.finished = Some(f),
+            None => {}
+        }
+    }
+    let expected: Vec<u64> = (0..out.seqs.len() as u64).collect();
+    assert_eq!(out.seqs, expected, "seq must be 0, 1, 2, ... without gaps");
+    Ok(out)
+}
+
+/// The France chat of the foundation tests, greedy.
+pub fn france_request(max_tokens: u32) -> GenerateRequest {
+    GenerateRequest {
+        model: MODEL.into(),
+        messages: vec![
+            ChatMessage {
+                role: "system".into(),
+                content: "You are a helpful assistant.".into(),
+            },
+            ChatMessage {
+                role: "user".into(),
+                content: "What is the capital of France?".into(),
+            },
+        ],
+        max_tokens: Some(max_tokens),
+        temperature: Some(0.0),
+        ..Default::default()
+    }
+}
+
+/// Polls `f` until it returns true or `timeout` passes.
+pub async fn eventually<F, Fut>(timeout: Duration, mut f: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if f().await {
+            return true;
+        }
+        if Instant::now() > deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}

@@ -1,0 +1,393 @@
+//! A llama-architecture forward pass over weights read from a GGUF file.
+//!
+//! candle's own `quantized_llama` keeps one KV cache and one position for the
+//! whole batch inside the model, which rules out continuous batching. This
+//! forward pass takes several sequences at once, each with its own position
+//! and cache: the tokens of all sequences are flattened into one matrix for the
+//! projections (where the time goes), attention runs per sequence, and logits
+//! are computed only for each sequence's last token.
+//!
+//! Weights are dequantized to f32 at load: candle's Q4_1 CPU kernel is a scalar
+//! loop that does not batch, and its 8-bit activation quantization flips
+//! near-ties against llama.cpp's reference output.
+use candle_core::quantized::gguf_file;
+use candle_core::{DType, Device, IndexOp, Tensor};
+use std::io::{Read, Seek};
+
+/// Errors from loading or running the model.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// A metadata key the architecture needs is missing or has the wrong type.
+    #[error("model metadata: {0}")]
+    Metadata(String),
+    /// A tensor the architecture needs is missing.
+    #[error("model tensor {0} is missing")]
+    MissingTensor(String),
+    /// The file is not a llama-architecture model.
+    #[error("unsupported architecture {0:?} (tokenmesh runs llama-architecture GGUF models)")]
+    Architecture(String),
+    /// Tensor arithmetic failed.
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}
+
+/// Shape of a llama model, read from GGUF metadata.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LlamaConfig {
+    pub n_layer: usize,
+    pub n_head: usize,
+    pub n_kv_head: usize,
+    pub head_dim: usize,
+    pub hidden: usize,
+    pub rms_eps: f64,
+    pub rope_theta: f32,
+    pub context_length: usize,
+    pub vocab_size: usize,
+}
+
+impl LlamaConfig {
+    /// Reads the `{arch}.*` keys of a llama-architecture GGUF file.
+    pub fn from_gguf(content: &gguf_file::Content) -> Result<Self, ModelError> {
+        let md = &content.metadata;
+        let arch = md
+            .get("general.architecture")
+            .and_then(|v| v.to_string().ok())
+            .cloned()
+            .unwrap_or_default();
+        if arch != "llama" {
+            return Err(ModelError::Architecture(arch));
+        }
+        let get = |key: &str| -> Result<&gguf_file::Value, ModelError> {
+            md.get(&format!("llama.{key}"))
+                .ok_or_else(|| ModelError::Metadata(format!("llama.{key} is missing")))
+        };
+        let int = |key: &str| -> Result<usize, ModelError> {
+            let v = get(key)?;
+            v.to_u32()
+                .map(|x| x as usize)
+                .or_else(|_| v.to_u64().map(|x| x as usize))
+                .map_err(|e| ModelError::Metadata(format!("llama.{key}: {e}")))
+        };
+        let hidden = int("embedding_length")?;
+        let n_head = int("attention.head_count")?;
+        let n_kv_head = int("attention.head_count_kv").unwrap_or(n_head);
+        let rms_eps = get("attention.layer_norm_rms_epsilon")?
+            .to_f32()
+            .map_err(|e| ModelError::Metadata(e.to_string()))? as f64;
+        let rope_theta = get("rope.freq_base")
+            .ok()
+            .and_then(|v| v.to_f32().ok())
+            .unwrap_or(10_000.0);
+        let head_dim = int("rope.dimension_count").unwrap_or(hidden / n_head);
+        let embd = content
+            .tensor_infos
+            .get("token_embd.weight")
+            .ok_or_else(|| ModelError::MissingTensor("token_embd.weight".into()))?;
+        let vocab_size = embd.shape.dims()[0];
+        if n_kv_head == 0 || n_head % n_kv_head != 0 || head_dim * n_head != hidden {
+            return Err(ModelError::Metadata(format!(
+                "inconsistent heads: {n_head} heads, {n_kv_head} kv heads, hidden {hidden}"
+            )));
+        }
+        Ok(Self {
+            n_layer: int("block_count")?,
+            n_head,
+            n_kv_head,
+            head_dim,
+            hidden,
+            rms_eps,
+            rope_theta,
+            context_length: int("context_length")?,
+            vocab_size,
+        })
+    }
+}
+
+struct Layer {
+    attn_norm: Tensor,
+    /// q, k and v projections fused into one (q + 2 kv, hidden) matrix.
+    wqkv: Tensor,
+    wo: Tensor,
+    ffn_norm: Tensor,
+    /// gate and up projections fused into one (2 ffn, hidden) matrix.
+    w_gate_up: Tensor,
+    w_down: Tensor,
+    ffn: usize,
+}
+
+/// Keys and values of one sequence, per layer.
+#[derive(Debug, Default)]
+pub struct KvCache {
+    layers: Vec<Option<(Tensor, Tensor)>>,
+    len: usize,
+}
+
+impl KvCache {
+    /// Tokens already in the cache, which is also the next token's position.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when nothing has been cached.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// One sequence's share of a batched forward step.
+pub struct SeqStep<'a> {
+    /// New tokens (a prompt chunk, or one decoded token).
+    pub tokens: &'a [u32],
+    /// The sequence's cache, extended in place.
+    pub cache: &'a mut KvCache,
+}
+
+/// A llama model ready to run.
+pub struct LlamaModel {
+    cfg: LlamaConfig,
+    embed: Tensor,
+    layers: Vec<Layer>,
+    norm: Tensor,
+    lm_head: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    device: Device,
+}
+
+fn tensor<R: Read + Seek>(
+    content: &gguf_file::Content,
+    reader: &mut R,
+    name: &str,
+    device: &Device,
+) -> Result<Tensor, ModelError> {
+    if !content.tensor_infos.contains_key(name) {
+        return Err(ModelError::MissingTensor(name.to_string()));
+    }
+    Ok(content
+        .tensor(reader, name, device)?
+        .dequantize(device)?
+        .to_dtype(DType::F32)?)
+}
+
+impl LlamaModel {
+    /// Loads and dequantizes every weight of the model.
+    pub fn load<R: Read + Seek>(
+        content: &gguf_file::Content,
+        reader: &mut R,
+        device: &Device,
+    ) -> Result<Self, ModelError> {
+        let cfg = LlamaConfig::from_gguf(content)?;
+        let embed = tensor(content, reader, "token_embd.weight", device)?;
+        let mut layers = Vec::with_capacity(cfg.n_layer);
+        for i in 0..cfg.n_layer {
+            let mut t = |n: &str| tensor(content, reader, &format!("blk.{i}.{n}.weight"), device);
+            let (wq, wk, wv) = (t("attn_q")?, t("attn_k")?, t("attn_v")?);
+            let (gate, up) = (t("ffn_gate")?, t("ffn_up")?);
+            let ffn = gate.dim(0)?;
+            layers.push(Layer {
+                attn_norm: t("attn_norm")?,
+                wqkv: Tensor::cat(&[wq, wk, wv], 0)?,
+                wo: t("attn_output")?,
+                ffn_norm: t("ffn_norm")?,
+                w_gate_up: Tensor::cat(&[gate, up], 0)?,
+                w_down: t("ffn_down")?,
+                ffn,
+            });
+        }
+        let norm = tensor(content, reader, "output_norm.weight", device)?;
+        // Tied embeddings (as in SmolLM2) have no separate output matrix.
+        let lm_head = match tensor(content, reader, "output.weight", device) {
+            Ok(t) => t,
+            Err(ModelError::MissingTensor(_)) => embed.clone(),
+            Err(e) => return Err(e),
+        };
+        let (cos, sin) = rope_tables(&cfg, device)?;
+        Ok(Self {
+            cfg,
+            embed,
+            layers,
+            norm,
+            lm_head,
+            cos,
+            sin,
+            device: device.clone(),
+        })
+    }
+
+    /// The model's shape.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.cfg
+    }
+
+    /// A fresh, empty cache for one sequence.
+    pub fn new_cache(&self) -> KvCache {
+        KvCache {
+            layers: (0..self.cfg.n_layer).map(|_| None).collect(),
+            len: 0,
+        }
+    }
+
+    /// Runs one step for several sequences and returns the logits of each
+    /// sequence's last new token, shape (sequences, vocab).
+    pub fn forward(&self, batch: &mut [SeqStep<'_>]) -> Result<Tensor, ModelError> {
+        let cfg = &self.cfg;
+        let ids: Vec<u32> = batch
+            .iter()
+            .flat_map(|s| s.tokens.iter().copied())
+            .collect();
+        for s in batch.iter() {
+            if s.tokens.is_empty() || s.cache.len + s.tokens.len() > cfg.context_length {
+                return Err(ModelError::Candle(candle_core::Error::Msg(format!(
+                    "sequence of {} + {} tokens does not fit the context of {}",
+                    s.cache.len,
+                    s.tokens.len(),
+                    cfg.context_length
+                ))));
+            }
+        }
+        let n_total = ids.len();
+        let ids = Tensor::from_vec(ids, n_total, &self.device)?;
+        let mut x = self.embed.index_select(&ids, 0)?;
+        let (q_dim, kv_dim) = (cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim);
+        for (li, layer) in self.layers.iter().enumerate() {
+            let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, cfg.rms_eps as f32)?;
+            let qkv = h.matmul(&layer.wqkv.t()?)?;
+            let mut outs = Vec::with_capacity(batch.len());
+            let mut row = 0;
+            for s in batch.iter_mut() {
+                let n = s.tokens.len();
+                let part = qkv.narrow(0, row, n)?;
+                row += n;
+                let q = part.narrow(1, 0, q_dim)?;
+                let k = part.narrow(1, q_dim, kv_dim)?;
+                let v = part.narrow(1, q_dim + kv_dim, kv_dim)?;
+                outs.push(self.attention(q, k, v, li, s.cache)?);
+            }
+            let attn = Tensor::cat(&outs, 0)?;
+            x = (x + attn.matmul(&layer.wo.t()?)?)?;
+
+            let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, cfg.rms_eps as f32)?;
+            let gu = h.matmul(&layer.w_gate_up.t()?)?;
+            let gate = candle_nn::ops::silu(&gu.narrow(1, 0, layer.ffn)?)?;
+            let up = gu.narrow(1, layer.ffn, layer.ffn)?;
+            x = (x + (gate * up)?.matmul(&layer.w_down.t()?)?)?;
+        }
+        let mut last = Vec::with_capacity(batch.len());
+        let mut end = 0u32;
+        for s in batch.iter_mut() {
+            end += s.tokens.len() as u32;
+            last.push(end - 1);
+            s.cache.len += s.tokens.len();
+        }
+        let last = Tensor::from_vec(last, batch.len(), &self.device)?;
+        let x = x.index_select(&last, 0)?;
+        let x = candle_nn::ops::rms_norm(&x, &self.norm, cfg.rms_eps as f32)?;
+        Ok(x.matmul(&self.lm_head.t()?)?)
+    }
+
+    /// Causal attention of one sequence's new rows against its whole cache.
+    /// q: (n, heads * head_dim); k, v: (n, kv_heads * head_dim).
+    fn attention(
+        &self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        layer: usize,
+        cache: &mut KvCache,
+    ) -> Result<Tensor, ModelError> {
+        let cfg = &self.cfg;
+        let n = q.dim(0)?;
+        let pos = cache.len;
+        let hd = cfg.head_dim;
+        let to_heads = |t: Tensor, heads: usize| -> candle_core::Result<Tensor> {
+            t.reshape((1, n, heads, hd))?.transpose(1, 2)?.contiguous()
+        };
+        let cos = self.cos.narrow(0, pos, n)?;
+        let sin = self.sin.narrow(0, pos, n)?;
+        let q = candle_nn::rotary_emb::rope_i(&to_heads(q, cfg.n_head)?, &cos, &sin)?;
+        let k = candle_nn::rotary_emb::rope_i(&to_heads(k, cfg.n_kv_head)?, &cos, &sin)?;
+        let v = to_heads(v, cfg.n_kv_head)?;
+        let (k, v) = match cache.layers[layer].take() {
+            Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 2)?, Tensor::cat(&[&pv, &v], 2)?),
+            None => (k, v),
+        };
+        cache.layers[layer] = Some((k.clone(), v.clone()));
+        let total = pos + n;
+        // Grouped-query attention without copying keys: the query heads that
+        // share a kv head are stacked as extra rows against that head.
+        let rep = cfg.n_head / cfg.n_kv_head;
+        let q = q.reshape((cfg.n_kv_head, rep * n, hd))?;
+        let k = k.reshape((cfg.n_kv_head, total, hd))?;
+        let v = v.reshape((cfg.n_kv_head, total, hd))?;
+        let scale = 1.0 / (hd as f64).sqrt();
+        let mut scores = (q.matmul(&k.t()?)? * scale)?;
+        if n > 1 {
+            let mask = causal_mask(n, pos, &self.device)?;
+            scores = scores
+                .reshape((cfg.n_kv_head, rep, n, total))?
+                .broadcast_add(&mask)?
+                .reshape((cfg.n_kv_head, rep * n, total))?;
+        }
+        let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+        let out = probs.matmul(&v)?; // (kv_heads, rep * n, hd)
+        let out = out
+            .reshape((cfg.n_head, n, hd))?
+            .transpose(0, 1)?
+            .reshape((n, cfg.n_head * hd))?;
+        Ok(out)
+    }
+
+    /// Embedding row count (the vocabulary size).
+    pub fn vocab_size(&self) -> usize {
+        self.cfg.vocab_size
+    }
+
+    /// Probabilities of the top `k` tokens of one logits row, most likely first.
+    pub fn top_k_probs(logits: &Tensor, k: usize) -> Result<Vec<(u32, f32)>, ModelError> {
+        let probs = candle_nn::ops::softmax_last_dim(&logits.unsqueeze(0)?)?.i(0)?;
+        let mut v: Vec<(u32, f32)> = probs
+            .to_vec1::<f32>()?
+            .into_iter()
+            .enumerate()
+            .map(|(i, p)| (i as u32, p))
+            .collect();
+        v.sort_by(|a, b| b.1.total_cmp(&a.1));
+        v.truncate(k);
+        Ok(v)
+    }
+}
+
+/// cos/sin tables for interleaved rotary embeddings (GGUF llama weights are
+/// permuted for the interleaved form, which is why `rope_i` is used).
+fn rope_tables(cfg: &LlamaConfig, device: &Device) -> Result<(Tensor, Tensor), ModelError> {
+    let half = cfg.head_dim / 2;
+    let inv: Vec<f32> = (0..half)
+        .map(|i| 1.0 / cfg.rope_theta.powf(2.0 * i as f32 / cfg.head_dim as f32))
+        .collect();
+    let inv = Tensor::from_vec(inv, (1, half), device)?;
+    let t = Tensor::arange(0u32, cfg.context_length as u32, device)?
+        .to_dtype(DType::F32)?
+        .reshape((cfg.context_length, 1))?;
+    let freqs = t.broadcast_mul(&inv)?;
+    Ok((freqs.cos()?, freqs.sin()?))
+}
+
+/// (n, pos + n) additive mask: row i (absolute position pos + i) sees columns 0..=pos + i.
+fn causal_mask(n: usize, pos: usize, device: &Device) -> Result<Tensor, ModelError> {
+    let total = pos + n;
+    let mask: Vec<f32> = (0..n)
+        .flat_map(|i| (0..total).map(move |j| if j > pos + i { f32::NEG_INFINITY } else { 0.0 }))
+        .collect();
+    Ok(Tensor::from_vec(mask, (n, total), device)?)
+}
+
+/// Index of the largest logit (greedy decoding), ties to the lowest id.
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &l) in logits.iter().enumerate() {
+        if l > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}

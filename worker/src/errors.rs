@@ -1,0 +1,52 @@
+//! Worker errors and their one mapping to gRPC statuses.
+use crate::scheduler::SubmitError;
+use tokenmesh_proto::validate::InvalidField;
+use tonic::{Code, Status};
+
+/// Everything that can go wrong serving one request.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    #[error(transparent)]
+    Invalid(#[from] InvalidField),
+    #[error("model {asked:?} is not served here; this worker serves {served:?}")]
+    UnknownModel { asked: String, served: String },
+    #[error("messages: {0}")]
+    Template(String),
+    #[error("prompt: {0}")]
+    Tokenize(String),
+    #[error("prompt is {prompt} tokens but the context window is {context}; shorten it")]
+    PromptTooLong { prompt: usize, context: usize },
+    #[error("max_tokens: {max_tokens} is beyond the context window of {context} tokens")]
+    MaxTokensTooLarge { max_tokens: usize, context: usize },
+    #[error("emitted_token_ids: {0}")]
+    BadContinuation(String),
+    #[error(transparent)]
+    Submit(#[from] SubmitError),
+    #[error("the model failed: {0}")]
+    Engine(String),
+}
+
+impl WorkerError {
+    /// The status a client sees.
+    pub fn into_status(self) -> Status {
+        let code = match &self {
+            WorkerError::Invalid(_)
+            | WorkerError::Template(_)
+            | WorkerError::Tokenize(_)
+            | WorkerError::PromptTooLong { .. }
+            | WorkerError::MaxTokensTooLarge { .. }
+            | WorkerError::BadContinuation(_) => Code::InvalidArgument,
+            WorkerError::UnknownModel { .. } => Code::NotFound,
+            WorkerError::Submit(SubmitError::QueueFull { .. }) => Code::ResourceExhausted,
+            WorkerError::Submit(_) => Code::Unavailable,
+            WorkerError::Engine(_) => Code::Internal,
+        };
+        Status::new(code, self.to_string())
+    }
+}
+
+impl From<WorkerError> for Status {
+    fn from(e: WorkerError) -> Self {
+        e.into_status()
+    }
+}

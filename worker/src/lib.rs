@@ -1,0 +1,202 @@
+//! tokenmesh worker: a stateless process that runs one GGUF model, batches
+//! concurrent requests, registers itself in etcd under a lease and streams
+//! tokens to routers.
+#![forbid(unsafe_code)]
+
+pub mod config;
+pub mod engine;
+pub mod errors;
+pub mod model_cache;
+pub mod registration;
+pub mod request;
+pub mod scheduler;
+pub mod server;
+
+use candle_core::Device;
+use config::WorkerConfig;
+use engine::LoadedModel;
+use scheduler::{EngineHandle, SchedulerConfig};
+use server::{WorkerIdentity, WorkerService};
+use std::future::Future;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokenmesh_proto::keys::Keys;
+use tokenmesh_proto::records::WorkerRecord;
+use tokenmesh_proto::v1::worker_server::WorkerServer;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio_stream::wrappers::TcpListenerStream;
+
+/// Why the worker could not start or stopped abnormally.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error("choose a transport: --tls-dir DIR for mutual TLS, or --insecure for plaintext (development only)")]
+    NoTransport,
+    #[error("--tls-dir: mutual TLS is not implemented in this build yet; use --insecure")]
+    TlsUnsupported,
+    #[error("--device {0}: only `cpu` is supported by this build")]
+    Device(String),
+    #[error(transparent)]
+    Fetch(#[from] model_cache::FetchError),
+    #[error(transparent)]
+    Load(#[from] engine::LoadError),
+    #[error("gRPC server: {0}")]
+    Serve(#[from] tonic::transport::Error),
+    #[error("listener: {0}")]
+    Listener(std::io::Error),
+    #[error("model loading was interrupted: {0}")]
+    Join(#[from] tokio::task::JoinError),
+}
+
+/// Loads the model, serves `Worker` on `listener` until `shutdown` resolves,
+/// then drains: stops taking work, deregisters, lets in-flight streams finish
+/// (bounded by the drain timeout) and returns.
+pub async fn run(
+    cfg: WorkerConfig,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), RunError> {
+    if cfg.tls_dir.is_some() {
+        return Err(RunError::TlsUnsupported);
+    }
+    if !cfg.insecure {
+        return Err(RunError::NoTransport);
+    }
+    tracing::warn!("serving plaintext gRPC (--insecure): development only");
+    let device = match cfg.device.as_str() {
+        "cpu" => Device::Cpu,
+        other => return Err(RunError::Device(other.to_string())),
+    };
+    let cache = cfg
+        .model_cache
+        .clone()
+        .unwrap_or_else(model_cache::default_cache_dir);
+    let spec = cfg.model.clone();
+    let python = cfg.python.clone();
+    let path =
+        tokio::task::spawn_blocking(move || model_cache::resolve(&spec, &cache, Some(&python)))
+            .await??;
+    let started = Instant::now();
+    let load_path = path.clone();
+    let model =
+        tokio::task::spawn_blocking(move || LoadedModel::load(&load_path, &device)).await??;
+    let model = Arc::new(model);
+    let model_name = cfg
+        .model_name
+        .clone()
+        .unwrap_or_else(|| model.default_name());
+    tracing::info!(
+        path = %path.display(),
+        model = %model_name,
+        version = %cfg.model_version,
+        secs = started.elapsed().as_secs_f32(),
+        "model loaded"
+    );
+
+    let identity = WorkerIdentity {
+        worker_id: cfg.worker_id.clone().unwrap_or_else(|| {
+            format!("worker-{}", &uuid::Uuid::new_v4().simple().to_string()[..8])
+        }),
+        model_name,
+        version: cfg.model_version.clone(),
+        accelerator: "cpu".into(),
+        device: "cpu".into(),
+        capacity: cfg.max_batch as u32,
+    };
+    let engine = EngineHandle::start(
+        model.clone(),
+        SchedulerConfig {
+            max_batch: cfg.max_batch.max(1),
+            queue_capacity: cfg.queue_capacity,
+        },
+    );
+    let service = WorkerService::new(
+        model.clone(),
+        engine.clone(),
+        identity.clone(),
+        cfg.default_max_tokens,
+    );
+
+    let (health_reporter, health_service) = tonic_health::server::health_reporter();
+    health_reporter
+        .set_serving::<WorkerServer<WorkerService>>()
+        .await;
+    let reflection_v1 = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(tokenmesh_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .expect("the embedded descriptor sets are valid");
+    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(tokenmesh_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1alpha()
+        .expect("the embedded descriptor sets are valid");
+
+    let bound = listener.local_addr().map_err(RunError::Listener)?;
+    let (deregister_tx, deregister_rx) = watch::channel(false);
+    let registration = if cfg.etcd.is_empty() {
+        None
+    } else {
+        let keys = Keys::new(&cfg.etcd_prefix);
+        let record = WorkerRecord {
+            addr: cfg.advertised_addr(bound),
+            model_digest: model.digest.clone(),
+            accelerator: identity.accelerator.clone(),
+            device: identity.device.clone(),
+            capacity: identity.capacity,
+            labels: Default::default(),
+            started_at: time::OffsetDateTime::now_utc()
+                .format(&time::format_description::well_known::Rfc3339)
+                .unwrap_or_default(),
+        };
+        let reg = registration::RegistrationConfig {
+            endpoints: cfg.etcd.clone(),
+            key: keys.worker(&identity.model_name, &identity.version, &identity.worker_id),
+            value: serde_json::to_string(&record).expect("a WorkerRecord serializes"),
+            ttl: cfg.lease_ttl(),
+        };
+        Some(tokio::spawn(registration::run(reg, deregister_rx)))
+    };
+
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let drain_timeout = Duration::from_secs(cfg.drain_timeout);
+    let stats = engine.stats().clone();
+    let drain_reporter = health_reporter.clone();
+    let drainer = tokio::spawn(async move {
+        shutdown.await;
+        tracing::info!("draining: no new requests; finishing in-flight streams");
+        stats.draining.store(true, Ordering::SeqCst);
+        drain_reporter
+            .set_not_serving::<WorkerServer<WorkerService>>()
+            .await;
+        let _ = deregister_tx.send(true);
+        let deadline = Instant::now() + drain_timeout;
+        while (stats.active.load(Ordering::SeqCst) > 0 || stats.queued.load(Ordering::SeqCst) > 0)
+            && Instant::now() < deadline
+        {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        if let Some(reg) = registration {
+            let _ = tokio::time::timeout(Duration::from_secs(3), reg).await;
+        }
+        let _ = stop_tx.send(());
+    });
+
+    println!(
+        "tokenmesh-worker ready: {} serving {} {} on {bound}",
+        identity.worker_id, identity.model_name, identity.version
+    );
+    tonic::transport::Server::builder()
+        .add_service(health_service)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha)
+        .add_service(WorkerServer::new(service))
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
+            let _ = stop_rx.await;
+        })
+        .await?;
+    drainer.abort();
+    tracing::info!("worker stopped");
+    Ok(())
+}

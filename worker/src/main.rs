@@ -1,0 +1,32 @@
+use anyhow::Context;
+use clap::Parser;
+use tokenmesh_worker::config::WorkerConfig;
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cfg = WorkerConfig::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new(&cfg.log))
+        .with_writer(std::io::stderr)
+        .init();
+    if let Some(n) = cfg.threads {
+        // candle's CPU kernels size their thread pool from this variable; it
+        // must be set before the first matrix product.
+        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    }
+    let listener = tokio::net::TcpListener::bind(cfg.listen)
+        .await
+        .with_context(|| format!("binding {}", cfg.listen))?;
+    tokenmesh_worker::run(cfg, listener, shutdown_signal()).await?;
+    Ok(())
+}
+
+/// Resolves on SIGTERM or Ctrl-C.
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("installing the SIGTERM handler");
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}
