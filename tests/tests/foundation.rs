@@ -146,7 +146,8 @@ async fn worker_loss_and_graceful_drain() {
         .unwrap();
     let req = GenerateRequest {
         version: Some("v1".into()),
-        prompt: "Once upon a time, in a land far away, there lived".into(),
+        // Greedy counting runs to max_tokens.
+        prompt: "1, 2, 3, 4, 5,".into(),
         messages: vec![],
         max_tokens: Some(120),
         ..france_request(120)
@@ -219,7 +220,8 @@ async fn cancelled_stream_frees_the_sequence() {
     let router = static_mesh(dir.path(), &[&w]).await;
     let mut client = router.client().await;
     let req = GenerateRequest {
-        prompt: "Write a very long story about the sea.".into(),
+        // Greedy counting never ends on its own.
+        prompt: "1, 2, 3, 4, 5,".into(),
         messages: vec![],
         ..france_request(400)
     };
