@@ -65,12 +65,63 @@ pub struct RouterConfig {
     #[arg(long, env = "TOKENMESH_MAX_FAILOVERS", default_value_t = 2)]
     pub max_failovers: u32,
 
+    /// Streams in flight through this router; beyond it requests queue.
+    #[arg(long, env = "TOKENMESH_MAX_IN_FLIGHT", default_value_t = 1024)]
+    pub max_in_flight: usize,
+
+    /// Streams in flight for one caller identity; beyond it RESOURCE_EXHAUSTED.
+    #[arg(
+        long,
+        env = "TOKENMESH_MAX_IN_FLIGHT_PER_IDENTITY",
+        default_value_t = 256
+    )]
+    pub max_in_flight_per_identity: usize,
+
+    /// Requests that may wait for an in-flight slot; beyond it RESOURCE_EXHAUSTED.
+    #[arg(long, env = "TOKENMESH_MAX_QUEUED", default_value_t = 256)]
+    pub max_queued: usize,
+
+    /// Longest a request waits in that queue, in milliseconds.
+    #[arg(long, env = "TOKENMESH_MAX_QUEUE_WAIT_MS", default_value_t = 2_000)]
+    pub max_queue_wait_ms: u64,
+
+    /// Server-side HTTP/2 keepalive ping interval to clients, in milliseconds.
+    #[arg(
+        long,
+        env = "TOKENMESH_SERVER_KEEPALIVE_INTERVAL_MS",
+        default_value_t = 30_000
+    )]
+    pub server_keepalive_interval_ms: u64,
+
+    /// Close client connections after this age, in seconds (0 = never), so
+    /// that clients rebalance over router replicas.
+    #[arg(long, env = "TOKENMESH_MAX_CONNECTION_AGE_S", default_value_t = 0)]
+    pub max_connection_age_s: u64,
+
+    /// Grace period for streams on a connection closed for its age, in seconds.
+    #[arg(
+        long,
+        env = "TOKENMESH_MAX_CONNECTION_AGE_GRACE_S",
+        default_value_t = 300
+    )]
+    pub max_connection_age_grace_s: u64,
+
     /// Log filter (tracing-subscriber EnvFilter syntax).
     #[arg(long, env = "TOKENMESH_LOG", default_value = "info")]
     pub log: String,
 }
 
 impl RouterConfig {
+    /// Admission limits.
+    pub fn admission(&self) -> crate::admission::AdmissionConfig {
+        crate::admission::AdmissionConfig {
+            max_in_flight: self.max_in_flight.max(1),
+            max_in_flight_per_identity: self.max_in_flight_per_identity.max(1),
+            max_queued: self.max_queued,
+            max_queue_wait: Duration::from_millis(self.max_queue_wait_ms),
+        }
+    }
+
     /// Channel settings for worker connections.
     pub fn channel(&self) -> ChannelSettings {
         ChannelSettings {

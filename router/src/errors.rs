@@ -30,6 +30,10 @@ pub enum RouterError {
     },
     #[error("worker lost after {delivered} tokens were delivered and no other worker could continue: {reason}")]
     StreamLost { delivered: usize, reason: String },
+    #[error(transparent)]
+    Overloaded(#[from] crate::admission::Rejected),
+    #[error("deadline exceeded after {delivered} tokens were delivered")]
+    DeadlineExceeded { delivered: usize },
 }
 
 fn list(v: &[String]) -> String {
@@ -47,8 +51,16 @@ impl RouterError {
             RouterError::Invalid(_) | RouterError::PinNotAllowed(_) => Code::InvalidArgument,
             RouterError::UnknownModel { .. } | RouterError::UnknownVersion { .. } => Code::NotFound,
             RouterError::NoWorker { .. } | RouterError::StreamLost { .. } => Code::Unavailable,
+            RouterError::Overloaded(_) => Code::ResourceExhausted,
+            RouterError::DeadlineExceeded { .. } => Code::DeadlineExceeded,
         };
-        Status::new(code, self.to_string())
+        let mut status = Status::new(code, self.to_string());
+        if let RouterError::Overloaded(r) = &self {
+            if let Ok(v) = r.retry_after_ms().to_string().parse() {
+                status.metadata_mut().insert("retry-after-ms", v);
+            }
+        }
+        status
     }
 }
 

@@ -2,6 +2,7 @@
 //! policy and a worker of that version by live load, and streams tokens back.
 #![forbid(unsafe_code)]
 
+pub mod admission;
 pub mod balance;
 pub mod config;
 pub mod discovery;
@@ -15,6 +16,7 @@ use config::RouterConfig;
 use registry::Registry;
 use server::{InferenceService, RoutingSettings};
 use std::future::Future;
+use std::time::Duration;
 use tokenmesh_proto::keys::Keys;
 use tokenmesh_proto::v1::inference_server::InferenceServer;
 use tokio::net::TcpListener;
@@ -64,6 +66,7 @@ pub async fn run(
     }
     let service = InferenceService::new(
         registry,
+        admission::Admission::new(cfg.admission()),
         RoutingSettings {
             max_attempts: cfg.max_attempts,
             max_failovers: cfg.max_failovers,
@@ -85,7 +88,16 @@ pub async fn run(
         .expect("the embedded descriptor sets are valid");
     let bound = listener.local_addr().map_err(RunError::Listener)?;
     println!("tokenmesh-router ready on {bound}");
-    tonic::transport::Server::builder()
+    let keepalive = Duration::from_millis(cfg.server_keepalive_interval_ms);
+    let mut server = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(keepalive))
+        .http2_keepalive_timeout(Some(Duration::from_millis(cfg.keepalive_timeout_ms)));
+    if cfg.max_connection_age_s > 0 {
+        server = server
+            .max_connection_age(Duration::from_secs(cfg.max_connection_age_s))
+            .max_connection_age_grace(Duration::from_secs(cfg.max_connection_age_grace_s));
+    }
+    server
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)

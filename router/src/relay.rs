@@ -7,6 +7,7 @@
 //! already delivered, so the client sees one unbroken stream. A client that
 //! goes away drops the upstream stream at once, which frees the sequence on
 //! the worker.
+use crate::admission::Permit;
 use crate::balance;
 use crate::errors::{retryable, RouterError};
 use crate::registry::{InFlight, Registry};
@@ -33,6 +34,10 @@ pub struct RelayContext {
     pub max_failovers: u32,
     pub tried: Vec<String>,
     pub started: Instant,
+    /// When the caller's deadline (grpc-timeout) expires, if it set one.
+    pub deadline: Option<tokio::time::Instant>,
+    /// The admission slot, released when the stream ends.
+    pub permit: Permit,
 }
 
 /// Opens a worker stream for `request` on the best ready worker of
@@ -44,6 +49,7 @@ pub async fn open(
     emitted: &[u32],
     tried: &mut Vec<String>,
     max_attempts: u32,
+    deadline: Option<tokio::time::Instant>,
 ) -> Result<Upstream, Status> {
     let mut last_error: Option<Status> = None;
     for _ in 0..max_attempts.max(1) {
@@ -57,10 +63,21 @@ pub async fn open(
         tried.push(ep.id.clone());
         let guard = InFlight::new(ep.clone());
         let mut client = ep.client();
-        let call = WorkerGenerateRequest {
+        let mut call = tonic::Request::new(WorkerGenerateRequest {
             request: Some(request.clone()),
             emitted_token_ids: emitted.to_vec(),
-        };
+        });
+        if let Some(d) = deadline {
+            // The worker gets what is left of the caller's deadline.
+            let left = d.saturating_duration_since(tokio::time::Instant::now());
+            if left.is_zero() {
+                return Err(RouterError::DeadlineExceeded {
+                    delivered: emitted.len(),
+                }
+                .into_status());
+            }
+            call.set_timeout(left);
+        }
         match client.generate(call).await {
             Ok(resp) => {
                 return Ok(Upstream {
@@ -110,11 +127,25 @@ pub async fn run(
     if out.send(Ok(first)).await.is_err() {
         return;
     }
+    let expiry = async {
+        match ctx.deadline {
+            Some(d) => tokio::time::sleep_until(d).await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(expiry);
     loop {
         let next = tokio::select! {
             m = upstream.stream.message() => m,
             _ = out.closed() => {
                 tracing::debug!(request_id = %ctx.accepted.request_id, "client went away; dropping upstream");
+                return;
+            }
+            _ = &mut expiry => {
+                // Dropping the upstream stream (on return) cancels the worker's sequence.
+                let _ = out
+                    .send(Err(RouterError::DeadlineExceeded { delivered: emitted.len() }.into_status()))
+                    .await;
                 return;
             }
         };
@@ -173,6 +204,7 @@ pub async fn run(
             &emitted,
             &mut ctx.tried,
             ctx.max_attempts,
+            ctx.deadline,
         )
         .await
         {

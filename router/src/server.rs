@@ -1,4 +1,5 @@
 //! The `tokenmesh.v1.Inference` gRPC service.
+use crate::admission::Admission;
 use crate::errors::RouterError;
 use crate::policy::{choose_version, has_canary, VersionAsk};
 use crate::registry::Registry;
@@ -28,14 +29,33 @@ pub struct RoutingSettings {
 #[derive(Clone)]
 pub struct InferenceService {
     registry: Arc<Registry>,
+    admission: Arc<Admission>,
     settings: RoutingSettings,
 }
 
 impl InferenceService {
     /// A service over a registry that discovery keeps up to date.
-    pub fn new(registry: Arc<Registry>, settings: RoutingSettings) -> Self {
-        Self { registry, settings }
+    pub fn new(
+        registry: Arc<Registry>,
+        admission: Arc<Admission>,
+        settings: RoutingSettings,
+    ) -> Self {
+        Self {
+            registry,
+            admission,
+            settings,
+        }
     }
+}
+
+/// Who is calling, for per-identity limits: the peer's IP address (the
+/// certificate identity takes its place once connections are mutually
+/// authenticated).
+fn identity_of<T>(request: &Request<T>) -> String {
+    request
+        .remote_addr()
+        .map(|a| a.ip().to_string())
+        .unwrap_or_else(|| "unknown".into())
 }
 
 fn header<'a>(md: &'a MetadataMap, name: &str) -> Option<&'a str> {
@@ -53,6 +73,9 @@ impl Inference for InferenceService {
         request: Request<GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let started = Instant::now();
+        let deadline = tokenmesh_proto::deadline::grpc_timeout(request.metadata())
+            .map(|t| tokio::time::Instant::now() + t);
+        let identity = identity_of(&request);
         let md = request.metadata().clone();
         let mut req = request.into_inner();
         check_request(&req).map_err(RouterError::from)?;
@@ -85,6 +108,11 @@ impl Inference for InferenceService {
             },
             &mut rand::rng(),
         )?;
+        let permit = self
+            .admission
+            .admit(&identity)
+            .await
+            .map_err(RouterError::from)?;
         let mut tried = Vec::new();
         let upstream = relay::open(
             &self.registry,
@@ -93,6 +121,7 @@ impl Inference for InferenceService {
             &[],
             &mut tried,
             self.settings.max_attempts,
+            deadline,
         )
         .await?;
         let worker_id = upstream.guard.endpoint().id.clone();
@@ -113,6 +142,8 @@ impl Inference for InferenceService {
             max_failovers: self.settings.max_failovers,
             tried,
             started,
+            deadline,
+            permit,
         };
         tokio::spawn(relay::run(ctx, upstream, tx));
         let mut response = Response::new(ReceiverStream::new(rx));

@@ -63,6 +63,8 @@ impl Worker for WorkerService {
         request: Request<WorkerGenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let enqueued = Instant::now();
+        let deadline = tokenmesh_proto::deadline::grpc_timeout(request.metadata())
+            .map(|t| tokio::time::Instant::now() + t);
         let req = request.into_inner();
         let prepared = prepare(
             &self.model,
@@ -99,6 +101,7 @@ impl Worker for WorkerService {
             completion_tokens: prepared.already_emitted as u32,
             seq: 0,
             queued: Duration::ZERO,
+            deadline,
             out: out_tx,
         };
         tokio::spawn(relay.run(events_rx));
@@ -154,6 +157,8 @@ struct Relay {
     completion_tokens: u32,
     seq: u64,
     queued: Duration,
+    /// The caller's deadline; past it the sequence is dropped.
+    deadline: Option<tokio::time::Instant>,
     out: mpsc::Sender<Result<GenerateResponse, Status>>,
 }
 
@@ -169,11 +174,30 @@ impl Relay {
         if !self.send(accepted).await {
             return;
         }
+        let deadline = self.deadline;
+        let expiry = async move {
+            match deadline {
+                Some(d) => tokio::time::sleep_until(d).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::pin!(expiry);
         loop {
             // Watch the client too, so that a cancel while queued frees the slot.
             let event = tokio::select! {
                 e = events.recv() => e,
                 _ = self.out.closed() => return,
+                _ = &mut expiry => {
+                    // Returning drops `events`, which frees the sequence.
+                    let _ = self
+                        .out
+                        .send(Err(Status::deadline_exceeded(format!(
+                            "deadline exceeded after {} completion tokens",
+                            self.completion_tokens
+                        ))))
+                        .await;
+                    return;
+                }
             };
             let Some(event) = event else {
                 let _ = self

@@ -1,0 +1,396 @@
+//! Router behaviour with real processes: traffic split, pins and sticky
+//! sessions, keepalive ejection of a frozen worker, overload, deadlines.
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+use tokenmesh_proto::v1::generate_response::Event;
+use tokenmesh_proto::v1::{Arm, GenerateRequest, StatusRequest};
+use tokenmesh_tests::*;
+use tonic::Code;
+
+fn counting(max_tokens: u32) -> GenerateRequest {
+    GenerateRequest {
+        model: MODEL.into(),
+        // Greedy counting never ends on its own.
+        prompt: "1, 2, 3, 4, 5,".into(),
+        max_tokens: Some(max_tokens),
+        temperature: Some(0.0),
+        ..Default::default()
+    }
+}
+
+fn static_file(dir: &std::path::Path, workers: &[&WorkerProc]) -> String {
+    let mut toml = String::new();
+    for w in workers {
+        toml.push_str(&format!(
+            "[[workers]]\nid = \"{}\"\nmodel = \"{MODEL}\"\nversion = \"v1\"\naddr = \"{}\"\n\n",
+            w.id, w.addr
+        ));
+    }
+    let path = dir.join("static.toml");
+    std::fs::write(&path, toml).unwrap();
+    path.display().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn canary_split_pins_sticky_sessions_and_live_policy_changes() {
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start().await.unwrap();
+    let mut kv = etcd.client().await;
+    let policy_key = format!("/tokenmesh/models/{MODEL}/policy");
+    kv.put(
+        policy_key.as_str(),
+        r#"{"stable":"v1","canary":{"version":"v2","weight":30}}"#,
+        None,
+    )
+    .await
+    .unwrap();
+    let mut workers = Vec::new();
+    for (id, version) in [("w-v1", "v1"), ("w-v2", "v2")] {
+        let opts = WorkerOpts {
+            etcd: Some(etcd.url.clone()),
+            version: version.into(),
+            extra: vec!["--max-batch".into(), "16".into()],
+            ..WorkerOpts::new(id)
+        };
+        workers.push(WorkerProc::start(opts, dir.path()).await.unwrap());
+    }
+    let router = RouterProc::start(&["--etcd".into(), etcd.url.clone()], dir.path())
+        .await
+        .unwrap();
+    router
+        .wait_ready_workers(MODEL, 2, Duration::from_secs(20))
+        .await
+        .unwrap();
+    let one_token = GenerateRequest {
+        prompt: "Hi".into(),
+        ..counting(1)
+    };
+
+    // 2,000 requests, 16 at a time: the canary share is 30 % ± 3 points.
+    let client = router.client().await;
+    let total = 2_000;
+    let mut tasks = Vec::new();
+    for t in 0..16 {
+        let mut c = client.clone();
+        let req = one_token.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut arms = HashMap::<(String, i32), usize>::new();
+            for _ in (t..total).step_by(16) {
+                let out = collect(&mut c, req.clone()).await.unwrap();
+                let a = out.accepted.unwrap();
+                *arms.entry((a.version, a.arm)).or_default() += 1;
+            }
+            arms
+        }));
+    }
+    let mut arms = HashMap::<(String, i32), usize>::new();
+    for t in tasks {
+        for (k, v) in t.await.unwrap() {
+            *arms.entry(k).or_default() += v;
+        }
+    }
+    let canary = arms
+        .get(&("v2".into(), Arm::Canary as i32))
+        .copied()
+        .unwrap_or(0);
+    let stable = arms
+        .get(&("v1".into(), Arm::Stable as i32))
+        .copied()
+        .unwrap_or(0);
+    assert_eq!(canary + stable, total, "{arms:?}");
+    let share = canary as f64 / total as f64;
+    assert!((0.27..=0.33).contains(&share), "canary share {share}");
+
+    // A pin by field and by header.
+    let mut c = router.client().await;
+    for _ in 0..5 {
+        let pinned = GenerateRequest {
+            version: Some("v2".into()),
+            ..one_token.clone()
+        };
+        let a = collect(&mut c, pinned).await.unwrap().accepted.unwrap();
+        assert_eq!((a.version.as_str(), a.arm), ("v2", Arm::Pinned as i32));
+        let mut req = tonic::Request::new(one_token.clone());
+        req.metadata_mut()
+            .insert("x-tokenmesh-version", "v1".parse().unwrap());
+        let mut s = c.generate(req).await.unwrap();
+        assert_eq!(s.metadata().get("x-tokenmesh-version").unwrap(), "v1");
+        let first = s.get_mut().message().await.unwrap().unwrap();
+        let Some(Event::Accepted(a)) = first.event else {
+            panic!("Accepted first")
+        };
+        assert_eq!(a.arm, Arm::Pinned as i32);
+    }
+
+    // Sticky sessions keep their version while the split is unchanged.
+    let mut seen = HashMap::new();
+    for round in 0..3 {
+        for s in 0..20 {
+            let req = GenerateRequest {
+                session_id: format!("session-{s}"),
+                ..one_token.clone()
+            };
+            let v = collect(&mut c, req)
+                .await
+                .unwrap()
+                .accepted
+                .unwrap()
+                .version;
+            if round == 0 {
+                seen.insert(s, v);
+            } else {
+                assert_eq!(seen[&s], v, "session-{s} moved");
+            }
+        }
+    }
+    assert!(seen.values().any(|v| v == "v1") && seen.values().any(|v| v == "v2"));
+
+    // A policy change reaches the router within a second.
+    kv.put(
+        policy_key.as_str(),
+        r#"{"stable":"v2","canary":{"version":"v1","weight":0}}"#,
+        None,
+    )
+    .await
+    .unwrap();
+    let changed = Instant::now();
+    let switched = eventually(Duration::from_secs(1), || {
+        let mut c = c.clone();
+        let req = one_token.clone();
+        async move {
+            let mut all_v2 = true;
+            for _ in 0..5 {
+                let a = collect(&mut c, req.clone())
+                    .await
+                    .unwrap()
+                    .accepted
+                    .unwrap();
+                all_v2 &= a.version == "v2";
+            }
+            all_v2
+        }
+    })
+    .await;
+    assert!(
+        switched,
+        "policy change not in effect after {:?}",
+        changed.elapsed()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn frozen_worker_is_ejected_and_returns() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = WorkerProc::start(WorkerOpts::new("w-frozen"), dir.path())
+        .await
+        .unwrap();
+    let b = WorkerProc::start(WorkerOpts::new("w-alive"), dir.path())
+        .await
+        .unwrap();
+    let file = static_file(dir.path(), &[&a, &b]);
+    let router = RouterProc::start(
+        &[
+            "--static".into(),
+            file,
+            "--keepalive-interval-ms".into(),
+            "500".into(),
+            "--keepalive-timeout-ms".into(),
+            "500".into(),
+        ],
+        dir.path(),
+    )
+    .await
+    .unwrap();
+    router
+        .wait_ready_workers(MODEL, 2, Duration::from_secs(20))
+        .await
+        .unwrap();
+    let mut client = router.client().await;
+
+    // A stream running on the worker that freezes moves to the other one.
+    let reference = collect(&mut client, counting(60)).await.unwrap();
+    let mut stream = loop {
+        let mut s = client.generate(counting(60)).await.unwrap().into_inner();
+        let first = s.message().await.unwrap().unwrap();
+        match first.event {
+            Some(Event::Accepted(acc)) if acc.worker_id == a.id => break s,
+            _ => continue,
+        }
+    };
+    let mut ids = Vec::new();
+    let mut finished = None;
+    let mut frozen_at = None;
+    while let Some(msg) = stream.message().await.unwrap() {
+        match msg.event {
+            Some(Event::Delta(d)) => {
+                ids.extend(d.token_ids);
+                if ids.len() >= 5 && frozen_at.is_none() {
+                    a.proc.signal(nix::sys::signal::Signal::SIGSTOP);
+                    frozen_at = Some(Instant::now());
+                }
+            }
+            Some(Event::Finished(f)) => finished = Some(f),
+            _ => {}
+        }
+    }
+    let frozen_at = frozen_at.unwrap();
+    let finished = finished.unwrap();
+    assert_eq!(finished.worker_id, b.id);
+    assert_eq!(finished.failovers, 1);
+    assert_eq!(ids, reference.token_ids);
+
+    // Ejected within keepalive interval + timeout (plus one status poll).
+    router
+        .wait_ready_workers(MODEL, 1, Duration::from_millis(1_200))
+        .await
+        .unwrap();
+    assert!(frozen_at.elapsed() < Duration::from_secs(5));
+    for _ in 0..5 {
+        let out = collect(&mut client, counting(2)).await.unwrap();
+        assert_eq!(out.finished.unwrap().worker_id, b.id);
+    }
+    // It comes back once it answers again.
+    a.proc.signal(nix::sys::signal::Signal::SIGCONT);
+    router
+        .wait_ready_workers(MODEL, 2, Duration::from_secs(5))
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn overload_is_refused_at_once_and_the_router_recovers() {
+    let dir = tempfile::tempdir().unwrap();
+    let w = WorkerProc::start(WorkerOpts::new("w-busy"), dir.path())
+        .await
+        .unwrap();
+    let file = static_file(dir.path(), &[&w]);
+    let router = RouterProc::start(
+        &[
+            "--static".into(),
+            file,
+            "--max-in-flight".into(),
+            "2".into(),
+            "--max-queued".into(),
+            "1".into(),
+            "--max-queue-wait-ms".into(),
+            "300".into(),
+        ],
+        dir.path(),
+    )
+    .await
+    .unwrap();
+    router
+        .wait_ready_workers(MODEL, 1, Duration::from_secs(20))
+        .await
+        .unwrap();
+    let mut client = router.client().await;
+    let mut running = Vec::new();
+    for _ in 0..2 {
+        let mut s = client.generate(counting(400)).await.unwrap().into_inner();
+        s.message().await.unwrap().unwrap();
+        running.push(s);
+    }
+    // One more may wait in the queue; it gives up after the bounded wait.
+    let queued = {
+        let mut c = client.clone();
+        tokio::spawn(async move {
+            let t = Instant::now();
+            let r = c.generate(counting(4)).await;
+            (r.map(|_| ()), t.elapsed())
+        })
+    };
+    // With both slots taken and the queue full, refusals come at once. (One
+    // of these may take the queue slot before the spawned request does; it is
+    // then refused after the bounded wait instead.)
+    let mut immediate = 0;
+    for _ in 0..6 {
+        let t = Instant::now();
+        let status = client
+            .generate(counting(4))
+            .await
+            .expect_err("no slot is free");
+        assert_eq!(
+            status.code(),
+            Code::ResourceExhausted,
+            "{}",
+            status.message()
+        );
+        assert!(
+            status.message().contains("retry after"),
+            "{}",
+            status.message()
+        );
+        assert!(status.metadata().get("retry-after-ms").is_some());
+        let took = t.elapsed();
+        assert!(took < Duration::from_millis(900), "refusal took {took:?}");
+        if took < Duration::from_millis(250) {
+            immediate += 1;
+        }
+    }
+    assert!(immediate >= 5, "{immediate} of 6 refusals were immediate");
+    let (queued_result, waited) = queued.await.unwrap();
+    let status = queued_result.expect_err("the queued request times out");
+    assert_eq!(status.code(), Code::ResourceExhausted);
+    assert!(waited < Duration::from_secs(2), "{waited:?}");
+    drop(running);
+    // Slots come back when streams end; the router serves again.
+    let ok = eventually(Duration::from_secs(3), || {
+        let mut c = client.clone();
+        async move { collect(&mut c, counting(2)).await.is_ok() }
+    })
+    .await;
+    assert!(ok);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn deadline_propagates_and_frees_the_sequence() {
+    let dir = tempfile::tempdir().unwrap();
+    let w = WorkerProc::start(WorkerOpts::new("w-deadline"), dir.path())
+        .await
+        .unwrap();
+    let file = static_file(dir.path(), &[&w]);
+    let router = RouterProc::start(&["--static".into(), file], dir.path())
+        .await
+        .unwrap();
+    router
+        .wait_ready_workers(MODEL, 1, Duration::from_secs(20))
+        .await
+        .unwrap();
+    let mut client = router.client().await;
+    let mut req = tonic::Request::new(counting(2_000));
+    req.set_timeout(Duration::from_millis(700));
+    let started = Instant::now();
+    let mut stream = client.generate(req).await.unwrap().into_inner();
+    let mut tokens = 0;
+    let err = loop {
+        match stream.message().await {
+            Ok(Some(m)) => {
+                if matches!(m.event, Some(Event::Delta(_))) {
+                    tokens += 1;
+                }
+            }
+            Ok(None) => panic!("stream ended without an error"),
+            Err(e) => break e,
+        }
+    };
+    assert_eq!(err.code(), Code::DeadlineExceeded, "{}", err.message());
+    assert!(tokens > 0);
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+    let mut wc = w.client().await;
+    let freed = eventually(Duration::from_secs(2), || {
+        let mut wc = wc.clone();
+        async move {
+            wc.status(StatusRequest {})
+                .await
+                .map(|s| s.into_inner().active_sequences == 0)
+                .unwrap_or(false)
+        }
+    })
+    .await;
+    assert!(freed);
+    drop(wc.status(StatusRequest {}).await);
+}
