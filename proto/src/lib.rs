@@ -6,6 +6,7 @@
 pub mod deadline;
 pub mod keys;
 pub mod records;
+pub mod telemetry;
 pub mod validate;
 
 /// Generated protobuf messages and gRPC stubs for `tokenmesh.v1`.

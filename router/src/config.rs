@@ -106,9 +106,8 @@ pub struct RouterConfig {
     )]
     pub max_connection_age_grace_s: u64,
 
-    /// Log filter (tracing-subscriber EnvFilter syntax).
-    #[arg(long, env = "TOKENMESH_LOG", default_value = "info")]
-    pub log: String,
+    #[command(flatten)]
+    pub telemetry: tokenmesh_proto::telemetry::TelemetryArgs,
 }
 
 impl RouterConfig {

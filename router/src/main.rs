@@ -5,10 +5,7 @@ use tokenmesh_router::config::RouterConfig;
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cfg = RouterConfig::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::new(&cfg.log))
-        .with_writer(std::io::stderr)
-        .init();
+    let _telemetry = tokenmesh_proto::telemetry::init("tokenmesh-router", &cfg.telemetry)?;
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
         .with_context(|| format!("binding {}", cfg.listen))?;

@@ -41,6 +41,15 @@ impl Endpoint {
         self.in_flight.load(Ordering::SeqCst) + self.reported_queue.load(Ordering::SeqCst)
     }
 
+    /// Metric labels of this endpoint.
+    pub fn labels(&self) -> [(&'static str, String); 3] {
+        [
+            ("model", self.model.clone()),
+            ("version", self.version.clone()),
+            ("worker", self.id.clone()),
+        ]
+    }
+
     /// A gRPC client over the endpoint's shared channel.
     pub fn client(&self) -> WorkerClient<Channel> {
         WorkerClient::new(self.channel.clone())
@@ -256,6 +265,8 @@ async fn poll_status(
         match client.status(req).await {
             Ok(resp) => {
                 let s = resp.into_inner();
+                metrics::gauge!("llm_queue_depth", &ep.labels()).set(s.queue_depth as f64);
+                metrics::gauge!("llm_endpoint_healthy", &ep.labels()).set(1.0);
                 ep.reported_queue.store(s.queue_depth, Ordering::SeqCst);
                 ep.draining.store(s.draining, Ordering::SeqCst);
                 if !ep.healthy.swap(true, Ordering::SeqCst) {
@@ -263,6 +274,7 @@ async fn poll_status(
                 }
             }
             Err(e) => {
+                metrics::gauge!("llm_endpoint_healthy", &ep.labels()).set(0.0);
                 if ep.healthy.swap(false, Ordering::SeqCst) {
                     tracing::warn!(worker = %ep.id, error = %e.message(), "worker unhealthy");
                 }

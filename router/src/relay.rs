@@ -13,6 +13,7 @@ use crate::errors::{retryable, RouterError};
 use crate::registry::{InFlight, Registry};
 use std::sync::Arc;
 use std::time::Instant;
+use tokenmesh_proto::telemetry;
 use tokenmesh_proto::v1::{
     generate_response::Event, Accepted, GenerateRequest, GenerateResponse, WorkerGenerateRequest,
 };
@@ -23,6 +24,8 @@ use tonic::{Status, Streaming};
 pub struct Upstream {
     pub stream: Streaming<GenerateResponse>,
     pub guard: InFlight,
+    /// The client span of the call to the worker; ends with the stream.
+    pub span: tracing::Span,
 }
 
 /// Everything the relay needs to continue a request elsewhere.
@@ -57,16 +60,51 @@ pub async fn open(
             .model(&request.model)
             .and_then(|m| m.versions.get(version).cloned())
             .unwrap_or_default();
+        let loads: Vec<String> = candidates
+            .iter()
+            .map(|e| {
+                format!(
+                    "{}:{}{}",
+                    e.id,
+                    e.load(),
+                    if e.ready() { "" } else { "(not ready)" }
+                )
+            })
+            .collect();
+        let route = tracing::Span::current();
+        route.record("candidates", loads.join(",").as_str());
         let Some(ep) = balance::pick(&candidates, tried, &mut rand::rng()) else {
             break;
         };
+        route.record("worker", ep.id.as_str());
+        let choices = candidates
+            .iter()
+            .filter(|e| e.ready() && !tried.contains(&e.id))
+            .count();
+        route.record(
+            "reason",
+            if choices > 1 {
+                "lower load of two random ready workers"
+            } else {
+                "only ready worker left"
+            },
+        );
         tried.push(ep.id.clone());
+        route.record("attempts", tried.len());
         let guard = InFlight::new(ep.clone());
         let mut client = ep.client();
         let mut call = tonic::Request::new(WorkerGenerateRequest {
             request: Some(request.clone()),
             emitted_token_ids: emitted.to_vec(),
         });
+        let span = tracing::info_span!(
+            "worker.Generate",
+            otel.name = "tokenmesh.v1.Worker/Generate",
+            otel.kind = "client",
+            worker = %ep.id,
+            emitted = emitted.len(),
+        );
+        telemetry::inject(&span, call.metadata_mut());
         if let Some(d) = deadline {
             // The worker gets what is left of the caller's deadline.
             let left = d.saturating_duration_since(tokio::time::Instant::now());
@@ -83,9 +121,11 @@ pub async fn open(
                 return Ok(Upstream {
                     stream: resp.into_inner(),
                     guard,
+                    span,
                 })
             }
             Err(status) if retryable(&status) => {
+                span.record("otel.status_code", "ERROR");
                 tracing::warn!(worker = %ep.id, code = ?status.code(), error = %status.message(), "worker refused; trying another");
                 last_error = Some(status);
             }
@@ -123,6 +163,7 @@ pub async fn run(
         *seq += 1;
         msg
     };
+    let mut meter = StreamMeter::new(&ctx);
     let first = send(&mut seq, Event::Accepted(ctx.accepted.clone()));
     if out.send(Ok(first)).await.is_err() {
         return;
@@ -143,6 +184,7 @@ pub async fn run(
             }
             _ = &mut expiry => {
                 // Dropping the upstream stream (on return) cancels the worker's sequence.
+                meter.code = tonic::Code::DeadlineExceeded;
                 let _ = out
                     .send(Err(RouterError::DeadlineExceeded { delivered: emitted.len() }.into_status()))
                     .await;
@@ -153,6 +195,7 @@ pub async fn run(
             Ok(Some(msg)) => match msg.event {
                 Some(Event::Accepted(_)) | None => continue,
                 Some(Event::Delta(d)) => {
+                    meter.tokens(d.token_ids.len());
                     emitted.extend_from_slice(&d.token_ids);
                     let m = send(&mut seq, Event::Delta(d));
                     if out.send(Ok(m)).await.is_err() {
@@ -161,6 +204,7 @@ pub async fn run(
                     continue;
                 }
                 Some(Event::Finished(mut f)) => {
+                    meter.code = tonic::Code::Ok;
                     f.failovers = failovers;
                     if let Some(t) = f.timings.as_mut() {
                         t.total_ms = ctx.started.elapsed().as_secs_f64() * 1000.0;
@@ -172,6 +216,7 @@ pub async fn run(
             },
             Ok(None) => Status::unavailable("worker ended the stream without finishing"),
             Err(status) if !retryable(&status) => {
+                meter.code = status.code();
                 let _ = out.send(Err(status)).await;
                 return;
             }
@@ -186,6 +231,7 @@ pub async fn run(
             "worker lost mid-stream"
         );
         if failovers >= ctx.max_failovers {
+            meter.code = tonic::Code::Unavailable;
             let _ = out
                 .send(Err(RouterError::StreamLost {
                     delivered: emitted.len(),
@@ -209,6 +255,7 @@ pub async fn run(
         .await
         {
             Ok(next) => {
+                metrics::counter!("llm_failovers_total", "model" => ctx.accepted.model.clone(), "version" => version.clone()).increment(1);
                 tracing::info!(
                     request_id = %ctx.accepted.request_id,
                     from = %lost,
@@ -219,6 +266,7 @@ pub async fn run(
                 upstream = next;
             }
             Err(e) => {
+                meter.code = tonic::Code::Unavailable;
                 let _ = out
                     .send(Err(RouterError::StreamLost {
                         delivered: emitted.len(),
@@ -228,6 +276,78 @@ pub async fn run(
                     .await;
                 return;
             }
+        }
+    }
+}
+
+/// Records one client stream in the metrics: latencies as tokens arrive, the
+/// outcome when dropped (whichever way the stream ends).
+struct StreamMeter {
+    model: String,
+    version: String,
+    started: Instant,
+    last_token: Option<Instant>,
+    /// The outcome; a stream dropped without one was cancelled by its client.
+    code: tonic::Code,
+}
+
+impl StreamMeter {
+    fn new(ctx: &RelayContext) -> Self {
+        let (model, version) = (ctx.accepted.model.clone(), ctx.accepted.version.clone());
+        metrics::gauge!("llm_active_streams", "model" => model.clone(), "version" => version.clone())
+            .increment(1.0);
+        Self {
+            model,
+            version,
+            started: ctx.started,
+            last_token: None,
+            code: tonic::Code::Cancelled,
+        }
+    }
+
+    fn tokens(&mut self, n: usize) {
+        if n == 0 {
+            return;
+        }
+        let now = Instant::now();
+        let labels = [
+            ("model", self.model.clone()),
+            ("version", self.version.clone()),
+        ];
+        match self.last_token {
+            None => {
+                metrics::histogram!("llm_time_to_first_token_seconds", &labels)
+                    .record((now - self.started).as_secs_f64());
+                tracing::info!(tokens = n, "first token");
+            }
+            Some(prev) => metrics::histogram!("llm_inter_token_latency_seconds", &labels)
+                .record((now - prev).as_secs_f64() / n as f64),
+        }
+        metrics::counter!("llm_tokens_generated_total", &labels).increment(n as u64);
+        self.last_token = Some(now);
+    }
+}
+
+impl Drop for StreamMeter {
+    fn drop(&mut self) {
+        let labels = [
+            ("model", self.model.clone()),
+            ("version", self.version.clone()),
+        ];
+        metrics::gauge!("llm_active_streams", &labels).decrement(1.0);
+        metrics::histogram!("llm_request_duration_seconds", &labels)
+            .record(self.started.elapsed().as_secs_f64());
+        metrics::counter!(
+            "llm_request_total",
+            "model" => self.model.clone(),
+            "version" => self.version.clone(),
+            "code" => crate::server::code_name(self.code)
+        )
+        .increment(1);
+        if !matches!(self.code, tonic::Code::Ok | tonic::Code::Cancelled) {
+            metrics::counter!("llm_request_errors_total", &labels).increment(1);
+            let span = tracing::Span::current();
+            span.record("otel.status_code", "ERROR");
         }
     }
 }

@@ -7,6 +7,7 @@ use crate::relay::{self, RelayContext};
 use std::sync::Arc;
 use std::time::Instant;
 use tokenmesh_proto::headers;
+use tokenmesh_proto::telemetry;
 use tokenmesh_proto::v1::inference_server::Inference;
 use tokenmesh_proto::v1::{
     Accepted, GenerateRequest, GenerateResponse, ListModelsRequest, ListModelsResponse, ModelInfo,
@@ -17,6 +18,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
 
 /// Request-path settings.
 #[derive(Clone, Debug)]
@@ -58,30 +60,26 @@ fn identity_of<T>(request: &Request<T>) -> String {
         .unwrap_or_else(|| "unknown".into())
 }
 
-fn header<'a>(md: &'a MetadataMap, name: &str) -> Option<&'a str> {
-    md.get(name)
-        .and_then(|v| v.to_str().ok())
-        .filter(|s| !s.is_empty())
-}
-
-#[tonic::async_trait]
-impl Inference for InferenceService {
-    type GenerateStream = ReceiverStream<Result<GenerateResponse, Status>>;
-
-    async fn generate(
+impl InferenceService {
+    /// Admits, routes and opens the first upstream stream; the rest of the
+    /// stream is carried by the relay task, inside `span`.
+    async fn start(
         &self,
         request: Request<GenerateRequest>,
-    ) -> Result<Response<Self::GenerateStream>, Status> {
+        span: tracing::Span,
+    ) -> Result<Response<ReceiverStream<Result<GenerateResponse, Status>>>, Status> {
         let started = Instant::now();
         let deadline = tokenmesh_proto::deadline::grpc_timeout(request.metadata())
             .map(|t| tokio::time::Instant::now() + t);
         let identity = identity_of(&request);
+        span.record("identity", identity.as_str());
         let md = request.metadata().clone();
         let mut req = request.into_inner();
         check_request(&req).map_err(RouterError::from)?;
         if req.request_id.is_empty() {
             req.request_id = uuid::Uuid::new_v4().to_string();
         }
+        span.record("request_id", req.request_id.as_str());
         let pin = req
             .version
             .clone()
@@ -99,6 +97,21 @@ impl Inference for InferenceService {
                 asked: req.model.clone(),
                 available: self.registry.models().keys().cloned().collect(),
             })?;
+        let route = tracing::info_span!(
+            "route",
+            policy = tracing::field::Empty,
+            pin = pin.as_deref().unwrap_or(""),
+            sticky = session.is_some(),
+            version = tracing::field::Empty,
+            arm = tracing::field::Empty,
+            candidates = tracing::field::Empty,
+            worker = tracing::field::Empty,
+            reason = tracing::field::Empty,
+            attempts = tracing::field::Empty,
+        );
+        if let Some(p) = &entry.policy {
+            route.record("policy", tracing::field::debug(p));
+        }
         let choice = choose_version(
             &req.model,
             &entry,
@@ -108,9 +121,14 @@ impl Inference for InferenceService {
             },
             &mut rand::rng(),
         )?;
+        route.record("version", choice.version.as_str());
+        route.record("arm", tracing::field::debug(choice.arm));
+        span.record("version", choice.version.as_str());
+        span.record("arm", tracing::field::debug(choice.arm));
         let permit = self
             .admission
             .admit(&identity)
+            .instrument(route.clone())
             .await
             .map_err(RouterError::from)?;
         let mut tried = Vec::new();
@@ -123,9 +141,11 @@ impl Inference for InferenceService {
             self.settings.max_attempts,
             deadline,
         )
+        .instrument(route.clone())
         .await?;
+        drop(route);
         let worker_id = upstream.guard.endpoint().id.clone();
-        tracing::debug!(request_id = %req.request_id, model = %req.model, version = %choice.version, arm = ?choice.arm, worker = %worker_id, "routed");
+        span.record("worker", worker_id.as_str());
         let accepted = Accepted {
             request_id: req.request_id.clone(),
             model: req.model.clone(),
@@ -145,7 +165,7 @@ impl Inference for InferenceService {
             deadline,
             permit,
         };
-        tokio::spawn(relay::run(ctx, upstream, tx));
+        tokio::spawn(relay::run(ctx, upstream, tx).instrument(span));
         let mut response = Response::new(ReceiverStream::new(rx));
         if let Ok(v) = choice.version.parse() {
             response.metadata_mut().insert(headers::VERSION, v);
@@ -154,6 +174,79 @@ impl Inference for InferenceService {
             response.metadata_mut().insert(headers::WORKER, v);
         }
         Ok(response)
+    }
+}
+
+/// The status code's canonical name, as a metric label.
+pub fn code_name(code: tonic::Code) -> &'static str {
+    use tonic::Code::*;
+    match code {
+        Ok => "OK",
+        Cancelled => "CANCELLED",
+        Unknown => "UNKNOWN",
+        InvalidArgument => "INVALID_ARGUMENT",
+        DeadlineExceeded => "DEADLINE_EXCEEDED",
+        NotFound => "NOT_FOUND",
+        AlreadyExists => "ALREADY_EXISTS",
+        PermissionDenied => "PERMISSION_DENIED",
+        ResourceExhausted => "RESOURCE_EXHAUSTED",
+        FailedPrecondition => "FAILED_PRECONDITION",
+        Aborted => "ABORTED",
+        OutOfRange => "OUT_OF_RANGE",
+        Unimplemented => "UNIMPLEMENTED",
+        Internal => "INTERNAL",
+        Unavailable => "UNAVAILABLE",
+        DataLoss => "DATA_LOSS",
+        Unauthenticated => "UNAUTHENTICATED",
+    }
+}
+
+fn header<'a>(md: &'a MetadataMap, name: &str) -> Option<&'a str> {
+    md.get(name)
+        .and_then(|v| v.to_str().ok())
+        .filter(|s| !s.is_empty())
+}
+
+#[tonic::async_trait]
+impl Inference for InferenceService {
+    type GenerateStream = ReceiverStream<Result<GenerateResponse, Status>>;
+
+    async fn generate(
+        &self,
+        request: Request<GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
+        let span = tracing::info_span!(
+            "Generate",
+            otel.name = "Generate",
+            otel.kind = "server",
+            otel.status_code = tracing::field::Empty,
+            model = %request.get_ref().model,
+            request_id = tracing::field::Empty,
+            identity = tracing::field::Empty,
+            version = tracing::field::Empty,
+            arm = tracing::field::Empty,
+            worker = tracing::field::Empty,
+            trace_id = tracing::field::Empty,
+            error = tracing::field::Empty,
+        );
+        telemetry::adopt_parent(&span, request.metadata());
+        let model = request.get_ref().model.clone();
+        match self
+            .start(request, span.clone())
+            .instrument(span.clone())
+            .await
+        {
+            Ok(r) => Ok(r),
+            Err(status) => {
+                span.record("otel.status_code", "ERROR");
+                span.record("error", status.message());
+                tracing::info!(parent: &span, code = ?status.code(), error = %status.message(), "refused");
+                metrics::counter!("llm_request_total", "model" => model.clone(), "version" => "", "code" => code_name(status.code())).increment(1);
+                metrics::counter!("llm_request_errors_total", "model" => model, "version" => "")
+                    .increment(1);
+                Err(status)
+            }
+        }
     }
 
     async fn list_models(

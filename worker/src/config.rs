@@ -86,9 +86,8 @@ pub struct WorkerConfig {
     #[arg(long, env = "TOKENMESH_DRAIN_TIMEOUT", default_value_t = 30)]
     pub drain_timeout: u64,
 
-    /// Log filter (tracing-subscriber EnvFilter syntax).
-    #[arg(long, env = "TOKENMESH_LOG", default_value = "info")]
-    pub log: String,
+    #[command(flatten)]
+    pub telemetry: tokenmesh_proto::telemetry::TelemetryArgs,
 }
 
 impl WorkerConfig {

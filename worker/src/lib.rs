@@ -109,6 +109,11 @@ pub async fn run(
         SchedulerConfig {
             max_batch: cfg.max_batch.max(1),
             queue_capacity: cfg.queue_capacity,
+            labels: vec![
+                ("model", identity.model_name.clone()),
+                ("version", identity.version.clone()),
+                ("worker", identity.worker_id.clone()),
+            ],
         },
     );
     let service = WorkerService::new(

@@ -5,10 +5,7 @@ use tokenmesh_worker::config::WorkerConfig;
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cfg = WorkerConfig::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::new(&cfg.log))
-        .with_writer(std::io::stderr)
-        .init();
+    let _telemetry = tokenmesh_proto::telemetry::init("tokenmesh-worker", &cfg.telemetry)?;
     if let Some(n) = cfg.threads {
         // candle's CPU kernels size their thread pool from this variable; it
         // must be set before the first matrix product.

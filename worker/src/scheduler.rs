@@ -62,6 +62,8 @@ pub struct SequenceRequest {
     pub logprobs: bool,
     pub events: mpsc::UnboundedSender<Event>,
     pub enqueued: Instant,
+    /// The request's span: queue, prefill and decode spans are its children.
+    pub span: tracing::Span,
 }
 
 /// Why a sequence was not admitted.
@@ -91,11 +93,19 @@ pub struct SchedulerConfig {
     pub max_batch: usize,
     /// Sequences allowed to wait for a batch slot.
     pub queue_capacity: usize,
+    /// Metric labels of this worker (model, version, worker).
+    pub labels: Vec<(&'static str, String)>,
 }
 
 enum Command {
-    Submit(Box<SequenceRequest>),
+    Submit(Box<Queued>),
     Abort(String),
+}
+
+/// A request waiting for a batch slot, with its open `queue` span.
+struct Queued {
+    req: SequenceRequest,
+    _span: tracing::Span,
 }
 
 /// Cheap, cloneable handle to the engine thread.
@@ -136,10 +146,14 @@ impl EngineHandle {
                 capacity: self.queue_capacity,
             });
         }
-        self.tx.send(Command::Submit(Box::new(req))).map_err(|_| {
-            self.stats.queued.fetch_sub(1, Ordering::SeqCst);
-            SubmitError::Stopped
-        })
+        let span = tracing::info_span!(parent: &req.span, "queue", depth = queued + 1);
+        let queued = Queued { req, _span: span };
+        self.tx
+            .send(Command::Submit(Box::new(queued)))
+            .map_err(|_| {
+                self.stats.queued.fetch_sub(1, Ordering::SeqCst);
+                SubmitError::Stopped
+            })
     }
 
     /// Stops a sequence by request id (dropping its receiver does too).
@@ -163,13 +177,16 @@ struct Active {
     feed: Vec<u32>,
     generated: usize,
     first_token: Option<Duration>,
+    /// `prefill` until the prompt is read, then `decode`.
+    phase: tracing::Span,
+    prefilling: bool,
 }
 
 struct Scheduler {
     model: Arc<LoadedModel>,
     cfg: SchedulerConfig,
     stats: Arc<EngineStats>,
-    waiting: VecDeque<SequenceRequest>,
+    waiting: VecDeque<Queued>,
     active: Vec<Active>,
 }
 
@@ -206,7 +223,7 @@ impl Scheduler {
 
     fn handle(&mut self, cmd: Command) {
         match cmd {
-            Command::Submit(req) => self.waiting.push_back(*req),
+            Command::Submit(q) => self.waiting.push_back(*q),
             Command::Abort(id) => {
                 self.remove_waiting(|r| r.request_id == id);
                 self.active.retain(|a| a.req.request_id != id);
@@ -221,14 +238,14 @@ impl Scheduler {
 
     fn remove_waiting(&mut self, gone: impl Fn(&SequenceRequest) -> bool) {
         let before = self.waiting.len();
-        self.waiting.retain(|r| !gone(r));
+        self.waiting.retain(|q| !gone(&q.req));
         let removed = (before - self.waiting.len()) as u32;
         self.stats.queued.fetch_sub(removed, Ordering::SeqCst);
     }
 
     fn admit(&mut self) {
         while self.active.len() < self.cfg.max_batch {
-            let Some(req) = self.waiting.pop_front() else {
+            let Some(Queued { req, .. }) = self.waiting.pop_front() else {
                 break;
             };
             self.stats.queued.fetch_sub(1, Ordering::SeqCst);
@@ -243,7 +260,11 @@ impl Scheduler {
             let _ = req.events.send(Event::Started {
                 queued: now - req.enqueued,
             });
+            let phase =
+                tracing::info_span!(parent: &req.span, "prefill", tokens = req.context.len());
             self.active.push(Active {
+                phase,
+                prefilling: true,
                 cache: self.model.llama.new_cache(),
                 sampler: Sampler::new(req.sampling.clone()),
                 text,
@@ -256,6 +277,7 @@ impl Scheduler {
     }
 
     fn step(&mut self) {
+        metrics::histogram!("llm_batch_size", &self.cfg.labels).record(self.active.len() as f64);
         let logits = {
             let mut batch: Vec<SeqStep<'_>> = self
                 .active
@@ -286,6 +308,10 @@ impl Scheduler {
             let ctx = &a.req.context;
             let recent = &ctx[ctx.len().saturating_sub(PENALTY_WINDOW)..];
             let sampled = a.sampler.sample(&mut row, recent);
+            if a.prefilling {
+                a.prefilling = false;
+                a.phase = tracing::info_span!(parent: &a.req.span, "decode", tokens = tracing::field::Empty);
+            }
             if a.first_token.is_none() {
                 a.first_token = Some(a.req.enqueued.elapsed());
             }
@@ -315,6 +341,7 @@ impl Scheduler {
         }
         for (i, reason, stop) in done.into_iter().rev() {
             let mut a = self.active.remove(i);
+            a.phase.record("tokens", a.generated);
             let tail = if reason == Finish::Stop {
                 String::new()
             } else {
@@ -337,5 +364,13 @@ impl Scheduler {
         self.stats
             .active
             .store(self.active.len() as u32, Ordering::SeqCst);
+        let labels = &self.cfg.labels;
+        metrics::gauge!("llm_queue_depth", labels)
+            .set(self.stats.queued.load(Ordering::SeqCst) as f64);
+        // Without a paged pool yet, capacity is max_batch full-context caches.
+        let cached: usize = self.active.iter().map(|a| a.cache.len()).sum();
+        let capacity = self.cfg.max_batch * self.model.llama.config().context_length;
+        metrics::gauge!("llm_kv_cache_usage_ratio", labels)
+            .set(cached as f64 / capacity.max(1) as f64);
     }
 }

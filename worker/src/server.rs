@@ -14,6 +14,7 @@ use tokenmesh_proto::v1::{
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
 
 /// Who this worker is, as it registers and reports itself.
 #[derive(Clone, Debug)]
@@ -36,6 +37,14 @@ pub struct WorkerService {
 }
 
 impl WorkerService {
+    fn labels(&self) -> Labels {
+        [
+            ("model", self.identity.model_name.clone()),
+            ("version", self.identity.version.clone()),
+            ("worker", self.identity.worker_id.clone()),
+        ]
+    }
+
     /// A service over a started engine.
     pub fn new(
         model: Arc<LoadedModel>,
@@ -65,13 +74,37 @@ impl Worker for WorkerService {
         let enqueued = Instant::now();
         let deadline = tokenmesh_proto::deadline::grpc_timeout(request.metadata())
             .map(|t| tokio::time::Instant::now() + t);
+        let span = tracing::info_span!(
+            "Generate",
+            otel.name = "Generate",
+            otel.kind = "server",
+            otel.status_code = tracing::field::Empty,
+            worker = %self.identity.worker_id,
+            model = %self.identity.model_name,
+            version = %self.identity.version,
+            request_id = tracing::field::Empty,
+            prompt_tokens = tracing::field::Empty,
+            completion_tokens = tracing::field::Empty,
+            finish_reason = tracing::field::Empty,
+            trace_id = tracing::field::Empty,
+            error = tracing::field::Empty,
+        );
+        tokenmesh_proto::telemetry::adopt_parent(&span, request.metadata());
         let req = request.into_inner();
+        let labels = self.labels();
         let prepared = prepare(
             &self.model,
             &self.identity.model_name,
             self.default_max_tokens,
             &req,
-        )?;
+        )
+        .map_err(|e| {
+            let status = e.into_status();
+            span.record("otel.status_code", "ERROR");
+            span.record("error", status.message());
+            record_outcome(&labels, status.code());
+            status
+        })?;
         let request_id = req
             .request
             .as_ref()
@@ -79,6 +112,8 @@ impl Worker for WorkerService {
             .filter(|id| !id.is_empty())
             .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
         let (events_tx, events_rx) = mpsc::unbounded_channel();
+        span.record("request_id", request_id.as_str());
+        span.record("prompt_tokens", prepared.prompt_tokens);
         self.engine
             .submit(SequenceRequest {
                 request_id: request_id.clone(),
@@ -90,8 +125,15 @@ impl Worker for WorkerService {
                 logprobs: prepared.logprobs,
                 events: events_tx,
                 enqueued,
+                span: span.clone(),
             })
-            .map_err(WorkerError::from)?;
+            .map_err(|e| {
+                let status = WorkerError::from(e).into_status();
+                span.record("otel.status_code", "ERROR");
+                span.record("error", status.message());
+                record_outcome(&labels, status.code());
+                status
+            })?;
         tracing::debug!(request_id, prompt_tokens = prepared.prompt_tokens, "queued");
         let (out_tx, out_rx) = mpsc::channel(32);
         let relay = Relay {
@@ -103,8 +145,14 @@ impl Worker for WorkerService {
             queued: Duration::ZERO,
             deadline,
             out: out_tx,
+            labels,
+            started: enqueued,
+            last_token: None,
+            code: tonic::Code::Cancelled,
+            span: span.clone(),
         };
-        tokio::spawn(relay.run(events_rx));
+        metrics::gauge!("llm_active_streams", &relay.labels).increment(1.0);
+        tokio::spawn(relay.run(events_rx).instrument(span));
         let mut response = Response::new(ReceiverStream::new(out_rx));
         let md = response.metadata_mut();
         if let Ok(v) = self.identity.version.parse() {
@@ -160,6 +208,51 @@ struct Relay {
     /// The caller's deadline; past it the sequence is dropped.
     deadline: Option<tokio::time::Instant>,
     out: mpsc::Sender<Result<GenerateResponse, Status>>,
+    labels: Labels,
+    started: Instant,
+    last_token: Option<Instant>,
+    /// The outcome; a stream dropped without one was cancelled by its client.
+    code: tonic::Code,
+    span: tracing::Span,
+}
+
+type Labels = [(&'static str, String); 3];
+
+/// Counts one request's outcome.
+fn record_outcome(labels: &Labels, code: tonic::Code) {
+    let mut with_code: Vec<(&'static str, String)> = labels.to_vec();
+    with_code.push(("code", code_name(code).to_string()));
+    metrics::counter!("llm_request_total", &with_code).increment(1);
+    if !matches!(code, tonic::Code::Ok | tonic::Code::Cancelled) {
+        metrics::counter!("llm_request_errors_total", labels).increment(1);
+    }
+}
+
+/// The status code's canonical name, as a metric label.
+fn code_name(code: tonic::Code) -> &'static str {
+    match code {
+        tonic::Code::Ok => "OK",
+        tonic::Code::Cancelled => "CANCELLED",
+        tonic::Code::InvalidArgument => "INVALID_ARGUMENT",
+        tonic::Code::DeadlineExceeded => "DEADLINE_EXCEEDED",
+        tonic::Code::NotFound => "NOT_FOUND",
+        tonic::Code::ResourceExhausted => "RESOURCE_EXHAUSTED",
+        tonic::Code::Unavailable => "UNAVAILABLE",
+        tonic::Code::Internal => "INTERNAL",
+        _ => "OTHER",
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        metrics::gauge!("llm_active_streams", &self.labels).decrement(1.0);
+        metrics::histogram!("llm_request_duration_seconds", &self.labels)
+            .record(self.started.elapsed().as_secs_f64());
+        record_outcome(&self.labels, self.code);
+        if !matches!(self.code, tonic::Code::Ok | tonic::Code::Cancelled) {
+            self.span.record("otel.status_code", "ERROR");
+        }
+    }
 }
 
 impl Relay {
@@ -189,6 +282,7 @@ impl Relay {
                 _ = self.out.closed() => return,
                 _ = &mut expiry => {
                     // Returning drops `events`, which frees the sequence.
+                    self.code = tonic::Code::DeadlineExceeded;
                     let _ = self
                         .out
                         .send(Err(Status::deadline_exceeded(format!(
@@ -200,6 +294,7 @@ impl Relay {
                 }
             };
             let Some(event) = event else {
+                self.code = tonic::Code::Internal;
                 let _ = self
                     .out
                     .send(Err(Status::internal("the engine dropped the sequence")))
@@ -210,6 +305,19 @@ impl Relay {
                 Event::Started { queued } => self.queued = queued,
                 Event::Token { id, text, logprob } => {
                     self.completion_tokens += 1;
+                    let now = Instant::now();
+                    match self.last_token {
+                        None => {
+                            metrics::histogram!("llm_time_to_first_token_seconds", &self.labels)
+                                .record((now - self.started).as_secs_f64())
+                        }
+                        Some(prev) => {
+                            metrics::histogram!("llm_inter_token_latency_seconds", &self.labels)
+                                .record((now - prev).as_secs_f64())
+                        }
+                    }
+                    self.last_token = Some(now);
+                    metrics::counter!("llm_tokens_generated_total", &self.labels).increment(1);
                     let delta = self.delta(vec![id], text, logprob.into_iter().collect());
                     if !self.send(delta).await {
                         return;
@@ -224,6 +332,10 @@ impl Relay {
                     total,
                 } => {
                     self.completion_tokens = completion_tokens;
+                    self.code = tonic::Code::Ok;
+                    self.span.record("completion_tokens", completion_tokens);
+                    self.span
+                        .record("finish_reason", tracing::field::debug(reason));
                     if !tail.is_empty() && !self.send(self.delta(vec![], tail, vec![])).await {
                         return;
                     }
@@ -247,6 +359,7 @@ impl Relay {
                     return;
                 }
                 Event::Failed(msg) => {
+                    self.code = tonic::Code::Internal;
                     let _ = self
                         .out
                         .send(Err(WorkerError::Engine(msg).into_status()))

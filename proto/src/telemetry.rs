@@ -1,0 +1,204 @@
+//! Logs, traces and metrics set-up shared by every process, and W3C trace
+//! context carried in gRPC metadata (DESIGN.md, "Telemetry").
+//!
+//! Traces go to an OTLP/gRPC collector when an endpoint is configured; the
+//! batch exporter runs in the background, so a collector that is down costs
+//! dropped spans, never a slower or failed request. Sampling follows the
+//! standard `OTEL_TRACES_SAMPLER` / `OTEL_TRACES_SAMPLER_ARG` variables
+//! (default: parent-based, always on). Metrics are Prometheus text on their own
+//! listener.
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator};
+use opentelemetry::trace::{TraceContextExt, TracerProvider as _};
+use opentelemetry::Context;
+use opentelemetry_otlp::WithExportConfig;
+use opentelemetry_sdk::propagation::TraceContextPropagator;
+use opentelemetry_sdk::trace::SdkTracerProvider;
+use opentelemetry_sdk::Resource;
+use std::net::SocketAddr;
+use tonic::metadata::{KeyAndValueRef, MetadataKey, MetadataMap, MetadataValue};
+use tracing_opentelemetry::OpenTelemetrySpanExt;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::{EnvFilter, Layer};
+
+/// Log line format.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// Telemetry flags every server binary takes.
+#[derive(clap::Args, Clone, Debug)]
+pub struct TelemetryArgs {
+    /// Log filter (tracing-subscriber EnvFilter syntax).
+    #[arg(long, env = "TOKENMESH_LOG", default_value = "info")]
+    pub log: String,
+    /// Log line format.
+    #[arg(long, env = "TOKENMESH_LOG_FORMAT", value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+    /// OTLP/gRPC endpoint that receives traces, e.g. http://jaeger:4317 (absent: no export).
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
+    /// Address that serves Prometheus metrics at /metrics (absent: no metrics listener).
+    #[arg(long, env = "TOKENMESH_METRICS_LISTEN")]
+    pub metrics_listen: Option<SocketAddr>,
+}
+
+/// Why telemetry could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum TelemetryError {
+    #[error("OTLP exporter: {0}")]
+    Exporter(String),
+    #[error("metrics listener {addr}: {message}")]
+    Metrics { addr: SocketAddr, message: String },
+    #[error("log filter {filter:?}: {message}")]
+    Filter { filter: String, message: String },
+}
+
+/// Flushes and stops the trace exporter when dropped.
+pub struct TelemetryGuard {
+    provider: Option<SdkTracerProvider>,
+}
+
+impl Drop for TelemetryGuard {
+    fn drop(&mut self) {
+        if let Some(p) = self.provider.take() {
+            // Shutdown blocks on the exporter; keep it off any runtime thread.
+            let _ = std::thread::spawn(move || p.shutdown()).join();
+        }
+    }
+}
+
+/// Latency buckets in seconds: LLM requests span milliseconds to minutes.
+pub const LATENCY_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+];
+
+/// Batch size buckets.
+pub const BATCH_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0];
+
+/// Installs logging, tracing export and the metrics listener. Call once,
+/// inside the tokio runtime.
+pub fn init(service: &str, args: &TelemetryArgs) -> Result<TelemetryGuard, TelemetryError> {
+    // The exporter's own gRPC client must not trace itself.
+    let filter_str = format!(
+        "{},h2=warn,hyper=warn,tower=warn,opentelemetry=warn",
+        args.log
+    );
+    let filter = EnvFilter::try_new(&filter_str).map_err(|e| TelemetryError::Filter {
+        filter: args.log.clone(),
+        message: e.to_string(),
+    })?;
+    opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
+
+    let provider = match &args.otlp_endpoint {
+        Some(endpoint) => {
+            let exporter = opentelemetry_otlp::SpanExporter::builder()
+                .with_tonic()
+                .with_endpoint(endpoint.clone())
+                .build()
+                .map_err(|e| TelemetryError::Exporter(e.to_string()))?;
+            Some(
+                SdkTracerProvider::builder()
+                    .with_batch_exporter(exporter)
+                    .with_resource(
+                        Resource::builder()
+                            .with_service_name(service.to_string())
+                            .build(),
+                    )
+                    .build(),
+            )
+        }
+        None => None,
+    };
+    let otel_layer = provider.as_ref().map(|p| {
+        tracing_opentelemetry::layer()
+            .with_tracer(p.tracer(service.to_string()))
+            .with_filter(tracing_subscriber::filter::filter_fn(|m| {
+                m.target().starts_with("tokenmesh")
+            }))
+    });
+    let fmt_layer = match args.log_format {
+        LogFormat::Text => tracing_subscriber::fmt::layer()
+            .with_writer(std::io::stderr)
+            .boxed(),
+        LogFormat::Json => tracing_subscriber::fmt::layer()
+            .json()
+            .with_current_span(true)
+            .with_span_list(false)
+            .with_writer(std::io::stderr)
+            .boxed(),
+    };
+    tracing_subscriber::registry()
+        .with(otel_layer)
+        .with(fmt_layer.with_filter(filter))
+        .init();
+
+    if let Some(addr) = args.metrics_listen {
+        let err = |e: metrics_exporter_prometheus::BuildError| TelemetryError::Metrics {
+            addr,
+            message: e.to_string(),
+        };
+        PrometheusBuilder::new()
+            .with_http_listener(addr)
+            .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), LATENCY_BUCKETS)
+            .map_err(err)?
+            .set_buckets_for_metric(Matcher::Full("llm_batch_size".into()), BATCH_BUCKETS)
+            .map_err(err)?
+            .install()
+            .map_err(err)?;
+    }
+    Ok(TelemetryGuard { provider })
+}
+
+struct MetadataInjector<'a>(&'a mut MetadataMap);
+
+impl Injector for MetadataInjector<'_> {
+    fn set(&mut self, key: &str, value: String) {
+        if let (Ok(k), Ok(v)) = (
+            MetadataKey::from_bytes(key.as_bytes()),
+            MetadataValue::try_from(value.as_str()),
+        ) {
+            self.0.insert(k, v);
+        }
+    }
+}
+
+struct MetadataExtractor<'a>(&'a MetadataMap);
+
+impl Extractor for MetadataExtractor<'_> {
+    fn get(&self, key: &str) -> Option<&str> {
+        self.0.get(key).and_then(|v| v.to_str().ok())
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        self.0
+            .iter()
+            .filter_map(|kv| match kv {
+                KeyAndValueRef::Ascii(k, _) => Some(k.as_str()),
+                KeyAndValueRef::Binary(_, _) => None,
+            })
+            .collect()
+    }
+}
+
+/// Writes the span's trace context (`traceparent`) into outgoing metadata.
+pub fn inject(span: &tracing::Span, md: &mut MetadataMap) {
+    let cx = span.context();
+    TraceContextPropagator::new().inject_context(&cx, &mut MetadataInjector(md));
+}
+
+/// Makes `span` a child of the caller's trace context, if the metadata carries
+/// one, and records the trace id on it so log lines carry it.
+pub fn adopt_parent(span: &tracing::Span, md: &MetadataMap) {
+    let parent: Context = TraceContextPropagator::new().extract(&MetadataExtractor(md));
+    if parent.span().span_context().is_valid() {
+        let _ = span.set_parent(parent);
+    }
+    let trace_id = span.context().span().span_context().trace_id();
+    if trace_id != opentelemetry::TraceId::INVALID {
+        span.record("trace_id", tracing::field::display(trace_id));
+    }
+}

@@ -1,0 +1,386 @@
+//! Observability with real processes: one trace across router and worker,
+//! requests unaffected by a collector that is down, and Prometheus counters
+//! that match the traffic.
+use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+    TraceService, TraceServiceServer,
+};
+use opentelemetry_proto::tonic::collector::trace::v1::{
+    ExportTraceServiceRequest, ExportTraceServiceResponse,
+};
+use opentelemetry_proto::tonic::common::v1::any_value::Value;
+use opentelemetry_proto::tonic::trace::v1::Span;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokenmesh_tests::*;
+use tonic::{Request, Response, Status};
+
+/// An OTLP/gRPC trace receiver: keeps every span with its service name.
+#[derive(Clone, Default)]
+struct Receiver {
+    spans: Arc<Mutex<Vec<(String, Span)>>>,
+}
+
+#[tonic::async_trait]
+impl TraceService for Receiver {
+    async fn export(
+        &self,
+        request: Request<ExportTraceServiceRequest>,
+    ) -> Result<Response<ExportTraceServiceResponse>, Status> {
+        let mut spans = self.spans.lock().unwrap();
+        for rs in request.into_inner().resource_spans {
+            let service = rs
+                .resource
+                .iter()
+                .flat_map(|r| r.attributes.iter())
+                .find(|kv| kv.key == "service.name")
+                .and_then(|kv| kv.value.as_ref())
+                .and_then(|v| match &v.value {
+                    Some(Value::StringValue(s)) => Some(s.clone()),
+                    _ => None,
+                })
+                .unwrap_or_default();
+            for ss in rs.scope_spans {
+                for span in ss.spans {
+                    spans.push((service.clone(), span));
+                }
+            }
+        }
+        Ok(Response::new(ExportTraceServiceResponse {
+            partial_success: None,
+        }))
+    }
+}
+
+async fn start_receiver() -> (Receiver, String) {
+    let receiver = Receiver::default();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let svc = TraceServiceServer::new(receiver.clone());
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(svc)
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    (receiver, format!("http://{addr}"))
+}
+
+fn attr<'a>(span: &'a Span, key: &str) -> Option<&'a Value> {
+    span.attributes
+        .iter()
+        .find(|kv| kv.key == key)
+        .and_then(|kv| kv.value.as_ref())
+        .and_then(|v| v.value.as_ref())
+}
+
+fn attr_str(span: &Span, key: &str) -> String {
+    match attr(span, key) {
+        Some(Value::StringValue(s)) => s.clone(),
+        Some(Value::IntValue(i)) => i.to_string(),
+        Some(other) => format!("{other:?}"),
+        None => String::new(),
+    }
+}
+
+fn static_file(dir: &std::path::Path, w: &WorkerProc) -> String {
+    let path = dir.join("static.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "[[workers]]\nid = \"{}\"\nmodel = \"{MODEL}\"\nversion = \"v1\"\naddr = \"{}\"\n",
+            w.id, w.addr
+        ),
+    )
+    .unwrap();
+    path.display().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn one_trace_crosses_router_and_worker() {
+    // The batch span processor exports every 5 s by default; the child
+    // processes inherit this shorter delay so the test need not wait.
+    std::env::set_var("OTEL_BSP_SCHEDULE_DELAY", "100");
+    let (receiver, endpoint) = start_receiver().await;
+    let dir = tempfile::tempdir().unwrap();
+    let w = WorkerProc::start(
+        WorkerOpts {
+            extra: vec!["--otlp-endpoint".into(), endpoint.clone()],
+            ..WorkerOpts::new("w-traced")
+        },
+        dir.path(),
+    )
+    .await
+    .unwrap();
+    let router = RouterProc::start(
+        &[
+            "--static".into(),
+            static_file(dir.path(), &w),
+            "--otlp-endpoint".into(),
+            endpoint,
+        ],
+        dir.path(),
+    )
+    .await
+    .unwrap();
+    router
+        .wait_ready_workers(MODEL, 1, Duration::from_secs(20))
+        .await
+        .unwrap();
+
+    // The client's own trace context is honoured.
+    let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let client_span = "00f067aa0ba902b7";
+    let mut req = Request::new(france_request(12));
+    req.metadata_mut().insert(
+        "traceparent",
+        format!("00-{trace_id}-{client_span}-01").parse().unwrap(),
+    );
+    let mut client = router.client().await;
+    let mut stream = client.generate(req).await.unwrap().into_inner();
+    while stream.message().await.unwrap().is_some() {}
+
+    let want = ["route", "queue", "prefill", "decode"];
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let spans = loop {
+        let spans: Vec<(String, Span)> = receiver
+            .spans
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, s)| hex(&s.trace_id) == trace_id)
+            .cloned()
+            .collect();
+        let names: Vec<&str> = spans.iter().map(|(_, s)| s.name.as_str()).collect();
+        let generates = names.iter().filter(|n| **n == "Generate").count();
+        if generates == 2 && want.iter().all(|w| names.contains(w)) {
+            break spans;
+        }
+        assert!(Instant::now() < deadline, "spans so far: {names:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let by_id: HashMap<String, &(String, Span)> =
+        spans.iter().map(|e| (hex(&e.1.span_id), e)).collect();
+    let find = |service: &str, name: &str| {
+        spans
+            .iter()
+            .find(|(svc, s)| svc == service && s.name == name)
+            .map(|(_, s)| s)
+            .unwrap_or_else(|| panic!("no {name} span from {service}"))
+    };
+    let parent_name = |s: &Span| {
+        by_id
+            .get(&hex(&s.parent_span_id))
+            .map(|(svc, p)| format!("{svc}/{}", p.name))
+            .unwrap_or_else(|| hex(&s.parent_span_id))
+    };
+    let router_gen = find("tokenmesh-router", "Generate");
+    assert_eq!(
+        hex(&router_gen.parent_span_id),
+        client_span,
+        "router span is the client's child"
+    );
+    for key in [
+        "model",
+        "version",
+        "worker",
+        "arm",
+        "request_id",
+        "identity",
+    ] {
+        assert!(
+            !attr_str(router_gen, key).is_empty(),
+            "router Generate lacks {key}"
+        );
+    }
+    let route = find("tokenmesh-router", "route");
+    assert_eq!(parent_name(route), "tokenmesh-router/Generate");
+    for key in ["version", "arm", "candidates", "worker", "reason"] {
+        assert!(!attr_str(route, key).is_empty(), "route lacks {key}");
+    }
+    let call = find("tokenmesh-router", "tokenmesh.v1.Worker/Generate");
+    assert_eq!(parent_name(call), "tokenmesh-router/route");
+    let worker_gen = find("tokenmesh-worker", "Generate");
+    assert_eq!(
+        parent_name(worker_gen),
+        "tokenmesh-router/tokenmesh.v1.Worker/Generate"
+    );
+    assert!(
+        attr_str(worker_gen, "prompt_tokens")
+            .parse::<u32>()
+            .unwrap()
+            > 10
+    );
+    assert!(
+        attr_str(worker_gen, "completion_tokens")
+            .parse::<u32>()
+            .unwrap()
+            > 0
+    );
+    assert_eq!(attr_str(worker_gen, "finish_reason"), "Eos");
+    for name in ["queue", "prefill", "decode"] {
+        assert_eq!(
+            parent_name(find("tokenmesh-worker", name)),
+            "tokenmesh-worker/Generate"
+        );
+    }
+    assert!(
+        attr_str(find("tokenmesh-worker", "decode"), "tokens")
+            .parse::<u32>()
+            .unwrap()
+            > 0
+    );
+    // The first token is an event on the router's span.
+    assert!(
+        router_gen.events.iter().any(|e| e.name == "first token"),
+        "{:?}",
+        router_gen.events
+    );
+    // Log lines carry the trace id.
+    assert!(router.proc.log_text().contains(trace_id) || w.proc.log_text().contains(trace_id));
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn requests_succeed_with_the_collector_down() {
+    let dead = format!("http://127.0.0.1:{}", free_port());
+    let dir = tempfile::tempdir().unwrap();
+    let w = WorkerProc::start(
+        WorkerOpts {
+            extra: vec!["--otlp-endpoint".into(), dead.clone()],
+            ..WorkerOpts::new("w-nocollector")
+        },
+        dir.path(),
+    )
+    .await
+    .unwrap();
+    let router = RouterProc::start(
+        &[
+            "--static".into(),
+            static_file(dir.path(), &w),
+            "--otlp-endpoint".into(),
+            dead,
+        ],
+        dir.path(),
+    )
+    .await
+    .unwrap();
+    router
+        .wait_ready_workers(MODEL, 1, Duration::from_secs(20))
+        .await
+        .unwrap();
+    let mut client = router.client().await;
+    for _ in 0..5 {
+        let t = Instant::now();
+        let out = collect(&mut client, france_request(8)).await.unwrap();
+        assert!(out.finished.is_some());
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    }
+}
+
+/// GET /metrics over plain HTTP/1.1.
+async fn scrape(addr: &str) -> prometheus_parse::Scrape {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(
+        format!("GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes(),
+    )
+    .await
+    .unwrap();
+    let mut body = String::new();
+    s.read_to_string(&mut body).await.unwrap();
+    let text = body
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b)
+        .unwrap_or_default();
+    let lines = text.lines().map(|l| Ok(l.to_string()));
+    prometheus_parse::Scrape::parse(lines).expect("Prometheus text format")
+}
+
+fn sum(scrape: &prometheus_parse::Scrape, name: &str, label: Option<(&str, &str)>) -> f64 {
+    scrape
+        .samples
+        .iter()
+        .filter(|s| s.metric == name)
+        .filter(|s| label.is_none_or(|(k, v)| s.labels.get(k) == Some(v)))
+        .map(|s| match s.value {
+            prometheus_parse::Value::Counter(v)
+            | prometheus_parse::Value::Gauge(v)
+            | prometheus_parse::Value::Untyped(v) => v,
+            // A histogram counts as its number of observations (the +Inf bucket).
+            prometheus_parse::Value::Histogram(ref buckets) => {
+                buckets.iter().map(|b| b.count).fold(0.0, f64::max)
+            }
+            _ => 0.0,
+        })
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn metrics_count_the_traffic() {
+    let dir = tempfile::tempdir().unwrap();
+    let worker_metrics = format!("127.0.0.1:{}", free_port());
+    let router_metrics = format!("127.0.0.1:{}", free_port());
+    let w = WorkerProc::start(
+        WorkerOpts {
+            extra: vec!["--metrics-listen".into(), worker_metrics.clone()],
+            ..WorkerOpts::new("w-metered")
+        },
+        dir.path(),
+    )
+    .await
+    .unwrap();
+    let router = RouterProc::start(
+        &[
+            "--static".into(),
+            static_file(dir.path(), &w),
+            "--metrics-listen".into(),
+            router_metrics.clone(),
+        ],
+        dir.path(),
+    )
+    .await
+    .unwrap();
+    router
+        .wait_ready_workers(MODEL, 1, Duration::from_secs(20))
+        .await
+        .unwrap();
+    let mut client = router.client().await;
+    let mut tokens = 0;
+    for _ in 0..10 {
+        tokens += collect(&mut client, france_request(6))
+            .await
+            .unwrap()
+            .token_ids
+            .len();
+    }
+    let bad = tokenmesh_proto::v1::GenerateRequest {
+        max_tokens: Some(0),
+        ..france_request(1)
+    };
+    assert!(collect(&mut client, bad).await.is_err());
+
+    let r = scrape(&router_metrics).await;
+    assert_eq!(sum(&r, "llm_request_total", Some(("code", "OK"))), 10.0);
+    assert_eq!(
+        sum(&r, "llm_request_total", Some(("code", "INVALID_ARGUMENT"))),
+        1.0
+    );
+    assert_eq!(sum(&r, "llm_request_errors_total", None), 1.0);
+    assert_eq!(sum(&r, "llm_tokens_generated_total", None), tokens as f64);
+    assert_eq!(sum(&r, "llm_active_streams", None), 0.0);
+    assert_eq!(
+        sum(&r, "llm_endpoint_healthy", Some(("worker", "w-metered"))),
+        1.0
+    );
+    assert_eq!(sum(&r, "llm_time_to_first_token_seconds", None), 10.0);
+    assert_eq!(sum(&r, "llm_request_duration_seconds", None), 10.0);
+
+    let wm = scrape(&worker_metrics).await;
+    assert_eq!(sum(&wm, "llm_request_total", Some(("code", "OK"))), 10.0);
+    assert_eq!(sum(&wm, "llm_tokens_generated_total", None), tokens as f64);
+    assert!(sum(&wm, "llm_batch_size", None) >= tokens as f64);
+    assert_eq!(sum(&wm, "llm_queue_depth", None), 0.0);
+}
