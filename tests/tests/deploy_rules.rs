@@ -73,7 +73,11 @@ fn dashboard_queries_exported_metrics() {
                 .collect();
             assert!(!names.is_empty(), "{expr}");
             for n in names {
-                assert!(EXPORTED.contains(&n), "panel {:?} queries unknown metric {n}", p["title"]);
+                assert!(
+                    EXPORTED.contains(&n),
+                    "panel {:?} queries unknown metric {n}",
+                    p["title"]
+                );
             }
         }
     }

@@ -78,6 +78,29 @@ pub struct WorkerConfig {
     #[arg(long, env = "TOKENMESH_QUEUE_CAPACITY", default_value_t = 64)]
     pub queue_capacity: usize,
 
+    /// Tokens run through the model per step: one per decoding sequence, the
+    /// rest for prompt chunks (long prompts are read in pieces of this size).
+    #[arg(long, env = "TOKENMESH_MAX_TOKENS_PER_STEP", default_value_t = 256)]
+    pub max_tokens_per_step: usize,
+
+    /// Target duration of one step in milliseconds; prompt chunks shrink when
+    /// steps run slower (0 = no target).
+    #[arg(long, env = "TOKENMESH_STEP_LATENCY_TARGET_MS", default_value_t = 0)]
+    pub step_latency_target_ms: u64,
+
+    /// Memory for the KV cache pool, in MiB (allocated at start-up).
+    #[arg(long, env = "TOKENMESH_KV_BUDGET_MIB", default_value_t = 256)]
+    pub kv_budget_mib: usize,
+
+    /// Tokens per KV cache block.
+    #[arg(long, env = "TOKENMESH_KV_BLOCK_SIZE", default_value_t = 16)]
+    pub kv_block_size: usize,
+
+    /// A waiting request moves up one priority class per this many
+    /// milliseconds, so LOW is never starved.
+    #[arg(long, env = "TOKENMESH_PRIORITY_AGING_MS", default_value_t = 2_000)]
+    pub priority_aging_ms: u64,
+
     /// max_tokens when a request leaves it unset.
     #[arg(long, env = "TOKENMESH_DEFAULT_MAX_TOKENS", default_value_t = 256)]
     pub default_max_tokens: usize,

@@ -45,6 +45,8 @@ pub enum RunError {
     Serve(#[from] tonic::transport::Error),
     #[error("listener: {0}")]
     Listener(std::io::Error),
+    #[error("allocating the KV cache pool: {0}")]
+    KvPool(candle_core::Error),
     #[error("model loading was interrupted: {0}")]
     Join(#[from] tokio::task::JoinError),
 }
@@ -109,13 +111,20 @@ pub async fn run(
         SchedulerConfig {
             max_batch: cfg.max_batch.max(1),
             queue_capacity: cfg.queue_capacity,
+            max_tokens_per_step: cfg.max_tokens_per_step.max(1),
+            step_latency_target: (cfg.step_latency_target_ms > 0)
+                .then(|| Duration::from_millis(cfg.step_latency_target_ms)),
+            kv_budget_bytes: cfg.kv_budget_mib << 20,
+            kv_block_size: cfg.kv_block_size.max(1),
+            priority_aging: Duration::from_millis(cfg.priority_aging_ms),
             labels: vec![
                 ("model", identity.model_name.clone()),
                 ("version", identity.version.clone()),
                 ("worker", identity.worker_id.clone()),
             ],
         },
-    );
+    )
+    .map_err(RunError::KvPool)?;
     let service = WorkerService::new(
         model.clone(),
         engine.clone(),

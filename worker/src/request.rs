@@ -18,6 +18,7 @@ pub struct Prepared {
     pub sampling: SamplingParams,
     pub stop: Vec<String>,
     pub logprobs: bool,
+    pub priority: crate::scheduler::Priority,
 }
 
 /// Validates `req` against the model and tokenizes it.
@@ -109,5 +110,6 @@ pub fn prepare(
         },
         stop: g.stop.clone(),
         logprobs: g.logprobs,
+        priority: crate::scheduler::Priority::from_wire(g.priority),
     })
 }

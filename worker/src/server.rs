@@ -125,6 +125,7 @@ impl Worker for WorkerService {
                 logprobs: prepared.logprobs,
                 events: events_tx,
                 enqueued,
+                priority: prepared.priority,
                 span: span.clone(),
             })
             .map_err(|e| {
@@ -186,8 +187,13 @@ impl Worker for WorkerService {
             version: self.identity.version.clone(),
             active_sequences: stats.active.load(Ordering::SeqCst),
             queue_depth: stats.queued.load(Ordering::SeqCst),
-            kv_blocks_used: 0,
-            kv_blocks_total: 0,
+            kv_blocks_used: stats.kv_blocks_used.load(Ordering::SeqCst),
+            kv_blocks_total: stats.kv_blocks_total.load(Ordering::SeqCst),
+            queue_depth_high: stats.queued_by_priority[0].load(Ordering::SeqCst),
+            queue_depth_normal: stats.queued_by_priority[1].load(Ordering::SeqCst),
+            queue_depth_low: stats.queued_by_priority[2].load(Ordering::SeqCst),
+            tokens_generated: stats.tokens_generated.load(Ordering::Relaxed),
+            preemptions: stats.preemptions.load(Ordering::Relaxed),
             accelerator: self.identity.accelerator.clone(),
             device: self.identity.device.clone(),
             draining: stats.draining.load(Ordering::SeqCst),
@@ -356,6 +362,11 @@ impl Relay {
                         worker_id: self.identity.worker_id.clone(),
                     });
                     self.send(finished).await;
+                    return;
+                }
+                Event::Rejected(msg) => {
+                    self.code = tonic::Code::ResourceExhausted;
+                    let _ = self.out.send(Err(Status::resource_exhausted(msg))).await;
                     return;
                 }
                 Event::Failed(msg) => {

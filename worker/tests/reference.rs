@@ -9,6 +9,7 @@ use candle_core::Device;
 use serde_json::Value;
 use std::path::PathBuf;
 use tokenmesh_worker::engine::chat_template::ChatTurn;
+use tokenmesh_worker::engine::kv_pool::{KvCache, KvPool};
 use tokenmesh_worker::engine::llama::{argmax, LlamaModel, SeqStep};
 use tokenmesh_worker::engine::LoadedModel;
 
@@ -93,17 +94,23 @@ fn greedy_matches_llama_cpp() {
         );
 
         // Follow llama.cpp's tokens, so that every step compares the same context.
-        let mut cache = model.llama.new_cache();
+        let mut pool = KvPool::new(model.llama.config(), 64 << 20, 16, &Device::Cpu).unwrap();
+        let mut cache = KvCache::default();
         let mut feed = ids.clone();
         let mut diverged = 0;
         let mut drift = 0f32;
         for (i, step) in case["steps"].as_array().unwrap().iter().enumerate() {
+            let want = cache.len() + feed.len();
+            pool.reserve(&mut cache, want).unwrap();
             let logits = model
                 .llama
-                .forward(&mut [SeqStep {
-                    tokens: &feed,
-                    cache: &mut cache,
-                }])
+                .forward(
+                    &pool,
+                    &mut [SeqStep {
+                        tokens: &feed,
+                        cache: &mut cache,
+                    }],
+                )
                 .unwrap()
                 .squeeze(0)
                 .unwrap();
@@ -171,10 +178,11 @@ fn france_reply_is_paris() {
         .render(&turns, true)
         .unwrap();
     let mut feed = model.tokenizer.encode(&prompt).unwrap();
-    let mut cache = model.llama.new_cache();
+    let mut pool = KvPool::new(model.llama.config(), 64 << 20, 16, &Device::Cpu).unwrap();
+    let mut cache = KvCache::default();
     let mut out = Vec::new();
     for _ in 0..16 {
-        let logits = forward_one(&model.llama, &feed, &mut cache);
+        let logits = forward_one(&model.llama, &mut pool, &feed, &mut cache);
         let t = argmax(&logits);
         if model.tokenizer.eos_token_ids().contains(&t) {
             break;
@@ -190,14 +198,20 @@ fn france_reply_is_paris() {
 
 fn forward_one(
     llama: &LlamaModel,
+    pool: &mut KvPool,
     feed: &[u32],
-    cache: &mut tokenmesh_worker::engine::llama::KvCache,
+    cache: &mut KvCache,
 ) -> Vec<f32> {
+    let want = cache.len() + feed.len();
+    pool.reserve(cache, want).unwrap();
     llama
-        .forward(&mut [SeqStep {
-            tokens: feed,
-            cache,
-        }])
+        .forward(
+            pool,
+            &mut [SeqStep {
+                tokens: feed,
+                cache,
+            }],
+        )
         .unwrap()
         .squeeze(0)
         .unwrap()

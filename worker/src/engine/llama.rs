@@ -10,6 +10,8 @@
 //! Weights are dequantized to f32 at load: candle's Q4_1 CPU kernel is a scalar
 //! loop that does not batch, and its 8-bit activation quantization flips
 //! near-ties against llama.cpp's reference output.
+pub use super::kv_pool::KvCache;
+use super::kv_pool::KvPool;
 use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device, IndexOp, Tensor};
 use std::io::{Read, Seek};
@@ -115,30 +117,12 @@ struct Layer {
     ffn: usize,
 }
 
-/// Keys and values of one sequence, per layer.
-#[derive(Debug, Default)]
-pub struct KvCache {
-    layers: Vec<Option<(Tensor, Tensor)>>,
-    len: usize,
-}
-
-impl KvCache {
-    /// Tokens already in the cache, which is also the next token's position.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// True when nothing has been cached.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-}
-
 /// One sequence's share of a batched forward step.
 pub struct SeqStep<'a> {
     /// New tokens (a prompt chunk, or one decoded token).
     pub tokens: &'a [u32],
-    /// The sequence's cache, extended in place.
+    /// The sequence's cache; it must already have room for `tokens`
+    /// (`KvPool::reserve`), and is advanced past them.
     pub cache: &'a mut KvCache,
 }
 
@@ -219,31 +203,32 @@ impl LlamaModel {
         &self.cfg
     }
 
-    /// A fresh, empty cache for one sequence.
-    pub fn new_cache(&self) -> KvCache {
-        KvCache {
-            layers: (0..self.cfg.n_layer).map(|_| None).collect(),
-            len: 0,
-        }
-    }
-
     /// Runs one step for several sequences and returns the logits of each
     /// sequence's last new token, shape (sequences, vocab).
-    pub fn forward(&self, batch: &mut [SeqStep<'_>]) -> Result<Tensor, ModelError> {
+    pub fn forward(&self, pool: &KvPool, batch: &mut [SeqStep<'_>]) -> Result<Tensor, ModelError> {
         let cfg = &self.cfg;
         let ids: Vec<u32> = batch
             .iter()
             .flat_map(|s| s.tokens.iter().copied())
             .collect();
+        let mut slots = Vec::with_capacity(batch.len());
         for s in batch.iter() {
-            if s.tokens.is_empty() || s.cache.len + s.tokens.len() > cfg.context_length {
+            let total = s.cache.len() + s.tokens.len();
+            if s.tokens.is_empty() || total > cfg.context_length {
                 return Err(ModelError::Candle(candle_core::Error::Msg(format!(
                     "sequence of {} + {} tokens does not fit the context of {}",
-                    s.cache.len,
+                    s.cache.len(),
                     s.tokens.len(),
                     cfg.context_length
                 ))));
             }
+            if pool.shortfall(s.cache, total) > 0 {
+                return Err(ModelError::Candle(candle_core::Error::Msg(
+                    "KV blocks were not reserved before the step".into(),
+                )));
+            }
+            // The same slots serve every layer.
+            slots.push(pool.slots(s.cache, total)?);
         }
         let n_total = ids.len();
         let ids = Tensor::from_vec(ids, n_total, &self.device)?;
@@ -254,14 +239,14 @@ impl LlamaModel {
             let qkv = h.matmul(&layer.wqkv.t()?)?;
             let mut outs = Vec::with_capacity(batch.len());
             let mut row = 0;
-            for s in batch.iter_mut() {
+            for (s, slots) in batch.iter().zip(&slots) {
                 let n = s.tokens.len();
                 let part = qkv.narrow(0, row, n)?;
                 row += n;
                 let q = part.narrow(1, 0, q_dim)?;
                 let k = part.narrow(1, q_dim, kv_dim)?;
                 let v = part.narrow(1, q_dim + kv_dim, kv_dim)?;
-                outs.push(self.attention(q, k, v, li, s.cache)?);
+                outs.push(self.attention(pool, q, k, v, li, s.cache, slots)?);
             }
             let attn = Tensor::cat(&outs, 0)?;
             x = (x + attn.matmul(&layer.wo.t()?)?)?;
@@ -277,7 +262,7 @@ impl LlamaModel {
         for s in batch.iter_mut() {
             end += s.tokens.len() as u32;
             last.push(end - 1);
-            s.cache.len += s.tokens.len();
+            s.cache.advance(s.tokens.len());
         }
         let last = Tensor::from_vec(last, batch.len(), &self.device)?;
         let x = x.index_select(&last, 0)?;
@@ -287,17 +272,20 @@ impl LlamaModel {
 
     /// Causal attention of one sequence's new rows against its whole cache.
     /// q: (n, heads * head_dim); k, v: (n, kv_heads * head_dim).
+    #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
+        pool: &KvPool,
         q: Tensor,
         k: Tensor,
         v: Tensor,
         layer: usize,
-        cache: &mut KvCache,
+        cache: &KvCache,
+        slots: &Tensor,
     ) -> Result<Tensor, ModelError> {
         let cfg = &self.cfg;
         let n = q.dim(0)?;
-        let pos = cache.len;
+        let pos = cache.len();
         let hd = cfg.head_dim;
         let to_heads = |t: Tensor, heads: usize| -> candle_core::Result<Tensor> {
             t.reshape((1, n, heads, hd))?.transpose(1, 2)?.contiguous()
@@ -306,13 +294,18 @@ impl LlamaModel {
         let sin = self.sin.narrow(0, pos, n)?;
         let q = candle_nn::rotary_emb::rope_i(&to_heads(q, cfg.n_head)?, &cos, &sin)?;
         let k = candle_nn::rotary_emb::rope_i(&to_heads(k, cfg.n_kv_head)?, &cos, &sin)?;
-        let v = to_heads(v, cfg.n_kv_head)?;
-        let (k, v) = match cache.layers[layer].take() {
-            Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 2)?, Tensor::cat(&[&pv, &v], 2)?),
-            None => (k, v),
-        };
-        cache.layers[layer] = Some((k.clone(), v.clone()));
+        // The pool stores rotated keys token-major, (n, kv_dim).
+        let kv_dim = cfg.n_kv_head * hd;
+        let k_rows = k.squeeze(0)?.transpose(0, 1)?.reshape((n, kv_dim))?;
+        pool.write(layer, cache, pos, &k_rows, &v.contiguous()?)?;
         let total = pos + n;
+        let (k, v) = pool.gather(layer, slots)?;
+        let from_rows = |t: Tensor| -> candle_core::Result<Tensor> {
+            t.reshape((total, cfg.n_kv_head, hd))?
+                .transpose(0, 1)?
+                .contiguous()
+        };
+        let (k, v) = (from_rows(k)?, from_rows(v)?);
         // Grouped-query attention without copying keys: the query heads that
         // share a kv head are stacked as extra rows against that head.
         let rep = cfg.n_head / cfg.n_kv_head;

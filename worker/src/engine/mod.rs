@@ -2,6 +2,7 @@
 //! shared read-only by the engine thread and the request handlers.
 pub mod chat_template;
 pub mod detokenize;
+pub mod kv_pool;
 pub mod llama;
 pub mod sampling;
 pub mod tokenizer;

@@ -1,0 +1,414 @@
+//! The model's engine thread: continuous batching over a paged KV cache.
+//!
+//! Each step:
+//! 1. commands are applied and sequences whose client left are dropped (their
+//!    KV blocks go back to the pool);
+//! 2. waiting sequences join, by priority with aging, while the batch has
+//!    room and the pool has blocks for their first prompt chunk;
+//! 3. every decoding sequence gets room for one more token; if the pool is
+//!    full the youngest sequence is preempted (its blocks freed, its tokens
+//!    kept) and goes back to the head of the queue, to be recomputed later;
+//! 4. prompts are read in chunks that fit the step's token budget, so running
+//!    streams keep getting a token every step while a long prompt is read;
+//! 5. one forward pass runs every sequence's share; sequences whose context is
+//!    fully read sample their next token.
+use super::queue::PriorityQueue;
+use super::{Command, EngineStats, Event, Finish, SchedulerConfig, SequenceRequest};
+use crate::engine::detokenize::TextStream;
+use crate::engine::kv_pool::{KvCache, KvPool};
+use crate::engine::llama::SeqStep;
+use crate::engine::sampling::{Sampler, PENALTY_WINDOW};
+use crate::engine::LoadedModel;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+
+/// One sequence, waiting or running. It keeps its sampler and decoder state
+/// across a preemption, so recomputation continues exactly where it stopped.
+struct Seq {
+    req: SequenceRequest,
+    cache: KvCache,
+    sampler: Sampler,
+    text: TextStream,
+    /// Completion tokens so far (including those before a failover).
+    generated: usize,
+    first_token: Option<Duration>,
+    started: bool,
+    /// `queue`, then `prefill`, then `decode`.
+    phase: tracing::Span,
+    prefilling: bool,
+    /// Tokens of `req.context` this step feeds (set while planning).
+    chunk: usize,
+}
+
+impl Seq {
+    /// Context tokens not yet in the KV cache.
+    fn pending(&self) -> usize {
+        self.req.context.len() - self.cache.len()
+    }
+}
+
+pub(super) struct Scheduler {
+    model: Arc<LoadedModel>,
+    cfg: SchedulerConfig,
+    stats: Arc<EngineStats>,
+    pool: KvPool,
+    waiting: PriorityQueue<Seq>,
+    /// Running sequences, oldest admission first.
+    active: Vec<Seq>,
+    /// Smoothed seconds per token of recent steps, for the latency target.
+    secs_per_token: f64,
+}
+
+impl Scheduler {
+    pub(super) fn new(
+        model: Arc<LoadedModel>,
+        cfg: SchedulerConfig,
+        stats: Arc<EngineStats>,
+    ) -> Result<Self, candle_core::Error> {
+        let pool = KvPool::new(
+            model.llama.config(),
+            cfg.kv_budget_bytes,
+            cfg.kv_block_size,
+            &candle_core::Device::Cpu,
+        )?;
+        stats
+            .kv_blocks_total
+            .store(pool.total_blocks() as u32, Ordering::SeqCst);
+        Ok(Self {
+            waiting: PriorityQueue::new(cfg.priority_aging),
+            model,
+            cfg,
+            stats,
+            pool,
+            active: Vec::new(),
+            secs_per_token: 0.0,
+        })
+    }
+
+    pub(super) fn run(mut self, mut rx: mpsc::UnboundedReceiver<Command>) {
+        loop {
+            if self.active.is_empty() && self.waiting.is_empty() {
+                match rx.blocking_recv() {
+                    Some(cmd) => self.handle(cmd),
+                    None => return,
+                }
+            }
+            while let Ok(cmd) = rx.try_recv() {
+                self.handle(cmd);
+            }
+            self.drop_cancelled();
+            self.admit();
+            if !self.active.is_empty() {
+                self.step();
+            }
+            self.publish();
+        }
+    }
+
+    fn handle(&mut self, cmd: Command) {
+        match cmd {
+            Command::Submit(req) => {
+                let req = *req;
+                let mut text = TextStream::new(req.stop.clone());
+                // Replay what was delivered before a failover so that held-back
+                // bytes and stop-string prefixes are where the client left them.
+                let emitted_from = req.context.len() - req.already_emitted;
+                for &t in &req.context[emitted_from..] {
+                    text.push(self.model.tokenizer.token_bytes(t));
+                }
+                let needed = self.pool.blocks_for(req.context.len() + 1);
+                if needed > self.pool.total_blocks() {
+                    self.stats.queued.fetch_sub(1, Ordering::SeqCst);
+                    let _ = req.events.send(Event::Rejected(format!(
+                        "the prompt needs {needed} KV cache blocks but the worker's pool has {}; \
+                         shorten the prompt or raise the worker's --kv-budget-mib",
+                        self.pool.total_blocks()
+                    )));
+                    return;
+                }
+                let phase =
+                    tracing::info_span!(parent: &req.span, "queue", priority = ?req.priority);
+                let (priority, at) = (req.priority, req.enqueued);
+                let seq = Seq {
+                    cache: KvCache::default(),
+                    sampler: Sampler::new(req.sampling.clone()),
+                    text,
+                    generated: req.already_emitted,
+                    first_token: None,
+                    started: false,
+                    phase,
+                    prefilling: true,
+                    chunk: 0,
+                    req,
+                };
+                self.waiting.push(priority, at, seq);
+            }
+            Command::Abort(id) => {
+                self.remove_waiting(|s| s.req.request_id == id);
+                self.remove_active(|s| s.req.request_id == id);
+            }
+        }
+    }
+
+    fn drop_cancelled(&mut self) {
+        self.remove_waiting(|s| s.req.events.is_closed());
+        self.remove_active(|s| s.req.events.is_closed());
+    }
+
+    fn remove_waiting(&mut self, gone: impl Fn(&Seq) -> bool) {
+        // Preempted sequences hold no blocks, so nothing to release here.
+        let removed = self.waiting.remove_where(|s| gone(s)) as u32;
+        self.stats.queued.fetch_sub(removed, Ordering::SeqCst);
+    }
+
+    fn remove_active(&mut self, gone: impl Fn(&Seq) -> bool) {
+        let mut i = 0;
+        while i < self.active.len() {
+            if gone(&self.active[i]) {
+                let mut s = self.active.remove(i);
+                self.pool.release(&mut s.cache);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// Prompt tokens the next step may read, after one token per decoding sequence.
+    fn step_budget(&self) -> usize {
+        let mut budget = self.cfg.max_tokens_per_step.max(1);
+        if let (Some(target), true) = (self.cfg.step_latency_target, self.secs_per_token > 0.0) {
+            budget = budget.min((target.as_secs_f64() / self.secs_per_token).max(1.0) as usize);
+        }
+        budget
+    }
+
+    fn admit(&mut self) {
+        let now = Instant::now();
+        while self.active.len() < self.cfg.max_batch.max(1) {
+            let Some(mut s) = self.waiting.pop(now) else {
+                break;
+            };
+            let first_chunk = s.pending().min(self.step_budget());
+            if self.pool.reserve(&mut s.cache, first_chunk).is_err() {
+                // New work waits for blocks; it keeps its place at the head.
+                self.waiting.push_front(s.req.priority, s.req.enqueued, s);
+                break;
+            }
+            self.stats.queued.fetch_sub(1, Ordering::SeqCst);
+            if !s.started {
+                s.started = true;
+                let _ = s.req.events.send(Event::Started {
+                    queued: now - s.req.enqueued,
+                });
+            }
+            s.phase =
+                tracing::info_span!(parent: &s.req.span, "prefill", tokens = s.req.context.len());
+            s.prefilling = true;
+            self.active.push(s);
+        }
+    }
+
+    /// Gives every decoding sequence room for its next token, preempting the
+    /// youngest sequences while the pool is short.
+    fn reserve_decode(&mut self) {
+        let mut i = 0;
+        while i < self.active.len() {
+            let s = &self.active[i];
+            if s.pending() == 1 && !s.prefilling {
+                let need = s.cache.len() + 1;
+                loop {
+                    let s = &mut self.active[i];
+                    if self.pool.reserve(&mut s.cache, need).is_ok() {
+                        break;
+                    }
+                    if self.active.len() == 1 {
+                        // Alone and still short: the pool is this sequence's
+                        // context limit, like the context window.
+                        self.finish(i, Finish::Length, None);
+                        return;
+                    }
+                    let youngest = self.active.len() - 1;
+                    self.preempt(youngest);
+                    if youngest == i {
+                        break;
+                    }
+                }
+            }
+            i += 1;
+        }
+    }
+
+    fn preempt(&mut self, i: usize) {
+        let mut s = self.active.remove(i);
+        self.pool.release(&mut s.cache);
+        self.stats.preemptions.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(request_id = %s.req.request_id, tokens = s.req.context.len(), "preempted: KV pool full; will recompute");
+        s.phase = tracing::info_span!(parent: &s.req.span, "queue", preempted = true);
+        self.stats.queued.fetch_add(1, Ordering::SeqCst);
+        self.waiting.push_front(s.req.priority, s.req.enqueued, s);
+    }
+
+    /// Decides each running sequence's chunk for this step.
+    fn plan(&mut self) {
+        self.reserve_decode();
+        let mut budget = self.step_budget();
+        for s in &mut self.active {
+            s.chunk = 0;
+            if !s.prefilling && s.pending() == 1 {
+                s.chunk = 1;
+            }
+        }
+        for i in 0..self.active.len() {
+            let s = &mut self.active[i];
+            if s.chunk > 0 || budget == 0 {
+                continue;
+            }
+            let want = s.pending().min(budget);
+            // Take what the pool can give now; the rest waits for a later step.
+            let free_tokens = self.pool.free_blocks() * self.pool.block_size()
+                + (s.cache.blocks() * self.pool.block_size() - s.cache.len());
+            let chunk = want.min(free_tokens);
+            if chunk == 0 {
+                continue;
+            }
+            let total = s.cache.len() + chunk;
+            if self.pool.reserve(&mut s.cache, total).is_ok() {
+                s.chunk = chunk;
+                budget -= chunk;
+            }
+        }
+    }
+
+    fn step(&mut self) {
+        self.plan();
+        let started = Instant::now();
+        let stepping: Vec<usize> = (0..self.active.len())
+            .filter(|&i| self.active[i].chunk > 0)
+            .collect();
+        if stepping.is_empty() {
+            // Nothing fits yet; the pool frees up as sequences end.
+            std::thread::sleep(Duration::from_millis(1));
+            return;
+        }
+        metrics::histogram!("llm_batch_size", &self.cfg.labels).record(stepping.len() as f64);
+        let logits = {
+            let mut batch: Vec<SeqStep<'_>> = self
+                .active
+                .iter_mut()
+                .filter(|s| s.chunk > 0)
+                .map(|s| {
+                    let from = s.cache.len();
+                    SeqStep {
+                        tokens: &s.req.context[from..from + s.chunk],
+                        cache: &mut s.cache,
+                    }
+                })
+                .collect();
+            self.model
+                .llama
+                .forward(&self.pool, &mut batch)
+                .and_then(|l| Ok(l.to_vec2::<f32>()?))
+        };
+        let logits = match logits {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::error!(error = %e, "forward pass failed");
+                for mut s in self.active.drain(..) {
+                    self.pool.release(&mut s.cache);
+                    let _ = s.req.events.send(Event::Failed(e.to_string()));
+                }
+                return;
+            }
+        };
+        let tokens: usize = self.active.iter().map(|s| s.chunk).sum();
+        let per_token = started.elapsed().as_secs_f64() / tokens.max(1) as f64;
+        self.secs_per_token = if self.secs_per_token == 0.0 {
+            per_token
+        } else {
+            0.8 * self.secs_per_token + 0.2 * per_token
+        };
+
+        let eos = self.model.tokenizer.eos_token_ids();
+        let context_length = self.model.llama.config().context_length;
+        let mut done = Vec::new();
+        for (i, mut row) in stepping.into_iter().zip(logits) {
+            let s = &mut self.active[i];
+            if s.pending() > 0 {
+                continue; // mid-prompt: these logits are not a prediction we need
+            }
+            let ctx = &s.req.context;
+            let recent = &ctx[ctx.len().saturating_sub(PENALTY_WINDOW)..];
+            let sampled = s.sampler.sample(&mut row, recent);
+            if s.prefilling {
+                s.prefilling = false;
+                s.phase = tracing::info_span!(parent: &s.req.span, "decode", tokens = tracing::field::Empty);
+            }
+            if s.first_token.is_none() {
+                s.first_token = Some(s.req.enqueued.elapsed());
+            }
+            // The end-of-turn token is not part of the output or its usage.
+            if eos.contains(&sampled.token) {
+                done.push((i, Finish::Eos, None));
+                continue;
+            }
+            s.generated += 1;
+            self.stats.tokens_generated.fetch_add(1, Ordering::Relaxed);
+            let released = s.text.push(self.model.tokenizer.token_bytes(sampled.token));
+            let _ = s.req.events.send(Event::Token {
+                id: sampled.token,
+                text: released.text,
+                logprob: s.req.logprobs.then_some(sampled.logprob),
+            });
+            s.req.context.push(sampled.token);
+            if let Some(stop) = released.stop {
+                done.push((i, Finish::Stop, Some(stop)));
+            } else if s.generated >= s.req.max_tokens || s.req.context.len() >= context_length {
+                done.push((i, Finish::Length, None));
+            }
+        }
+        for (i, reason, stop) in done.into_iter().rev() {
+            self.finish(i, reason, stop);
+        }
+    }
+
+    /// Ends running sequence `i` and frees its blocks.
+    fn finish(&mut self, i: usize, reason: Finish, stop: Option<String>) {
+        let mut s = self.active.remove(i);
+        self.pool.release(&mut s.cache);
+        s.phase.record("tokens", s.generated);
+        let tail = if reason == Finish::Stop {
+            String::new()
+        } else {
+            s.text.finish()
+        };
+        let _ = s.req.events.send(Event::Finished {
+            reason,
+            stop,
+            tail,
+            completion_tokens: s.generated as u32,
+            first_token: s.first_token,
+            total: s.req.enqueued.elapsed(),
+        });
+    }
+
+    fn publish(&self) {
+        let st = &self.stats;
+        st.active.store(self.active.len() as u32, Ordering::SeqCst);
+        let depths = self.waiting.depths();
+        for (slot, d) in st.queued_by_priority.iter().zip(depths) {
+            slot.store(d as u32, Ordering::SeqCst);
+        }
+        let used = self.pool.total_blocks() - self.pool.free_blocks();
+        st.kv_blocks_used.store(used as u32, Ordering::SeqCst);
+        let labels = &self.cfg.labels;
+        for (name, d) in ["high", "normal", "low"].iter().zip(depths) {
+            let mut l = labels.clone();
+            l.push(("priority", name.to_string()));
+            metrics::gauge!("llm_queue_depth", &l).set(d as f64);
+        }
+        metrics::gauge!("llm_kv_cache_usage_ratio", labels)
+            .set(used as f64 / self.pool.total_blocks().max(1) as f64);
+    }
+}

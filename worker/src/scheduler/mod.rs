@@ -1,0 +1,194 @@
+//! The engine: a bounded priority queue in front of a continuous batch.
+//!
+//! Model compute never runs on the async runtime: requests arrive through a
+//! channel to the engine thread (`engine_loop`), tokens leave through one
+//! unbounded channel per sequence, and a sequence whose receiver is gone
+//! (client cancelled, stream dropped) leaves the batch, and frees its KV
+//! blocks, at the next step.
+mod engine_loop;
+pub mod queue;
+
+use crate::engine::sampling::SamplingParams;
+use crate::engine::LoadedModel;
+pub use queue::Priority;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+
+/// Why a sequence ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Finish {
+    Stop,
+    Length,
+    Eos,
+}
+
+/// What the engine tells one sequence's owner.
+#[derive(Debug)]
+pub enum Event {
+    /// The sequence left the queue and entered the batch.
+    Started { queued: Duration },
+    /// One generated token and the text it released (may be empty).
+    Token {
+        id: u32,
+        text: String,
+        logprob: Option<f32>,
+    },
+    /// The last event of a sequence that ran to its end.
+    Finished {
+        reason: Finish,
+        stop: Option<String>,
+        /// Text released by the end itself (held-back bytes), possibly empty.
+        tail: String,
+        completion_tokens: u32,
+        first_token: Option<Duration>,
+        total: Duration,
+    },
+    /// The model failed on this sequence.
+    Failed(String),
+    /// The sequence can never run here (it needs more KV cache than exists).
+    Rejected(String),
+}
+
+/// One sequence to generate.
+pub struct SequenceRequest {
+    pub request_id: String,
+    /// Prompt tokens followed by tokens emitted before a failover.
+    pub context: Vec<u32>,
+    /// Tokens of `context` that were already delivered to the client.
+    pub already_emitted: usize,
+    /// Completion tokens allowed in total, including `already_emitted`.
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    pub stop: Vec<String>,
+    pub logprobs: bool,
+    pub events: mpsc::UnboundedSender<Event>,
+    pub enqueued: Instant,
+    pub priority: Priority,
+    /// The request's span: queue, prefill and decode spans are its children.
+    pub span: tracing::Span,
+}
+
+/// Why a sequence was not admitted.
+#[derive(Debug, thiserror::Error)]
+pub enum SubmitError {
+    #[error("the worker's queue is full ({capacity} waiting); retry later or on another worker")]
+    QueueFull { capacity: usize },
+    #[error("the worker is draining and takes no new requests")]
+    Draining,
+    #[error("the engine has stopped")]
+    Stopped,
+}
+
+/// Counters the engine publishes for Status and metrics.
+#[derive(Debug, Default)]
+pub struct EngineStats {
+    pub active: AtomicU32,
+    /// Requests submitted and not yet in the batch (counted by `submit`, so a
+    /// request still in the channel counts too).
+    pub queued: AtomicU32,
+    /// Waiting requests per priority: HIGH, NORMAL, LOW.
+    pub queued_by_priority: [AtomicU32; 3],
+    pub kv_blocks_used: AtomicU32,
+    pub kv_blocks_total: AtomicU32,
+    pub tokens_generated: AtomicU64,
+    pub preemptions: AtomicU64,
+    pub draining: AtomicBool,
+}
+
+/// Scheduling limits.
+#[derive(Clone, Debug)]
+pub struct SchedulerConfig {
+    /// Sequences run together in one step.
+    pub max_batch: usize,
+    /// Sequences allowed to wait for a batch slot.
+    pub queue_capacity: usize,
+    /// Tokens run through the model in one step: every decoding sequence's
+    /// one token, then prompt chunks up to this budget, so that a long prompt
+    /// never stalls the streams already running.
+    pub max_tokens_per_step: usize,
+    /// A step should take about this long: the prompt budget shrinks when
+    /// steps run slower (None: no target).
+    pub step_latency_target: Option<Duration>,
+    /// Memory for the KV cache pool, in bytes.
+    pub kv_budget_bytes: usize,
+    /// Tokens per KV block.
+    pub kv_block_size: usize,
+    /// A waiting request moves up one priority class per this much waiting.
+    pub priority_aging: Duration,
+    /// Metric labels of this worker (model, version, worker).
+    pub labels: Vec<(&'static str, String)>,
+}
+
+/// What an engine's handle sends it; every engine (the model's thread, the
+/// synthetic task) consumes the same commands.
+pub(crate) enum Command {
+    Submit(Box<SequenceRequest>),
+    Abort(String),
+}
+
+/// Cheap, cloneable handle to the engine thread.
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: mpsc::UnboundedSender<Command>,
+    stats: Arc<EngineStats>,
+    queue_capacity: usize,
+}
+
+impl EngineHandle {
+    /// Starts the engine thread for `model`.
+    pub fn start(
+        model: Arc<LoadedModel>,
+        cfg: SchedulerConfig,
+    ) -> Result<Self, candle_core::Error> {
+        let (handle, rx) = Self::channel(cfg.queue_capacity);
+        let scheduler = engine_loop::Scheduler::new(model, cfg, handle.stats.clone())?;
+        std::thread::Builder::new()
+            .name("engine".into())
+            .spawn(move || scheduler.run(rx))
+            .expect("spawning the engine thread");
+        Ok(handle)
+    }
+
+    /// A handle and the command receiver its engine consumes; the engine
+    /// keeps `stats.active` current, the handle and the engine share
+    /// `stats.queued`.
+    pub(crate) fn channel(queue_capacity: usize) -> (Self, mpsc::UnboundedReceiver<Command>) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let handle = Self {
+            tx,
+            stats: Arc::new(EngineStats::default()),
+            queue_capacity,
+        };
+        (handle, rx)
+    }
+
+    /// Queues a sequence, or refuses at once when the queue is full.
+    pub fn submit(&self, req: SequenceRequest) -> Result<(), SubmitError> {
+        if self.stats.draining.load(Ordering::SeqCst) {
+            return Err(SubmitError::Draining);
+        }
+        let queued = self.stats.queued.fetch_add(1, Ordering::SeqCst);
+        if queued as usize >= self.queue_capacity {
+            self.stats.queued.fetch_sub(1, Ordering::SeqCst);
+            return Err(SubmitError::QueueFull {
+                capacity: self.queue_capacity,
+            });
+        }
+        self.tx.send(Command::Submit(Box::new(req))).map_err(|_| {
+            self.stats.queued.fetch_sub(1, Ordering::SeqCst);
+            SubmitError::Stopped
+        })
+    }
+
+    /// Stops a sequence by request id (dropping its receiver does too).
+    pub fn abort(&self, request_id: &str) {
+        let _ = self.tx.send(Command::Abort(request_id.to_string()));
+    }
+
+    /// Live counters.
+    pub fn stats(&self) -> &Arc<EngineStats> {
+        &self.stats
+    }
+}
