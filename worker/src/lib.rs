@@ -3,6 +3,7 @@
 //! tokens to routers.
 #![forbid(unsafe_code)]
 
+pub mod accelerator;
 pub mod config;
 pub mod engine;
 pub mod errors;
@@ -12,7 +13,6 @@ pub mod request;
 pub mod scheduler;
 pub mod server;
 
-use candle_core::Device;
 use config::WorkerConfig;
 use engine::LoadedModel;
 use scheduler::{EngineHandle, SchedulerConfig};
@@ -35,8 +35,8 @@ pub enum RunError {
     NoTransport,
     #[error("--tls-dir: mutual TLS is not implemented in this build yet; use --insecure")]
     TlsUnsupported,
-    #[error("--device {0}: only `cpu` is supported by this build")]
-    Device(String),
+    #[error(transparent)]
+    Device(#[from] accelerator::AcceleratorError),
     #[error(transparent)]
     Fetch(#[from] model_cache::FetchError),
     #[error(transparent)]
@@ -66,10 +66,8 @@ pub async fn run(
         return Err(RunError::NoTransport);
     }
     tracing::warn!("serving plaintext gRPC (--insecure): development only");
-    let device = match cfg.device.as_str() {
-        "cpu" => Device::Cpu,
-        other => return Err(RunError::Device(other.to_string())),
-    };
+    let accel = accelerator::Accelerator::open(&cfg.device)?;
+    let device = accel.device.clone();
     let cache = cfg
         .model_cache
         .clone()
@@ -102,8 +100,8 @@ pub async fn run(
         }),
         model_name,
         version: cfg.model_version.clone(),
-        accelerator: "cpu".into(),
-        device: "cpu".into(),
+        accelerator: accel.kind.into(),
+        device: accel.name.clone(),
         capacity: cfg.max_batch as u32,
     };
     let engine = EngineHandle::start(
@@ -125,6 +123,22 @@ pub async fn run(
         },
     )
     .map_err(RunError::KvPool)?;
+    if accel.memory().is_some() {
+        let labels = [
+            ("worker", identity.worker_id.clone()),
+            ("device", cfg.device.clone()),
+        ];
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(5));
+            loop {
+                tick.tick().await;
+                if let Some((used, total)) = accel.memory() {
+                    metrics::gauge!("gpu_memory_used_bytes", &labels).set(used as f64);
+                    metrics::gauge!("gpu_memory_total_bytes", &labels).set(total as f64);
+                }
+            }
+        });
+    }
     let service = WorkerService::new(
         model.clone(),
         engine.clone(),

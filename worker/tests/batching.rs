@@ -1,7 +1,6 @@
 //! The engine with the real model, in-process: batching, chunked prefill and
 //! preemption change no token; priorities order the queue; cancellation frees
 //! KV blocks.
-use candle_core::Device;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -20,9 +19,7 @@ fn model() -> Arc<LoadedModel> {
             PathBuf::from(std::env::var_os("HOME").unwrap())
                 .join(".cache/tokenmesh/models/SmolLM2-135M-Instruct.Q4_1.gguf")
         });
-    Arc::new(
-        LoadedModel::load(&path, &Device::Cpu).expect("model (run scripts/test.sh to fetch it)"),
-    )
+    Arc::new(LoadedModel::load(&path, &device()).expect("model (run scripts/test.sh to fetch it)"))
 }
 
 fn config(max_batch: usize, kv_mib: usize) -> SchedulerConfig {
@@ -241,4 +238,12 @@ async fn high_priority_overtakes_and_cancel_frees_blocks() {
         assert!(Instant::now() < deadline, "blocks not freed");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+}
+
+/// `TOKENMESH_TEST_DEVICE` (e.g. cuda:0 in a `--features cuda` build), else cpu.
+fn device() -> candle_core::Device {
+    let spec = std::env::var("TOKENMESH_TEST_DEVICE").unwrap_or_else(|_| "cpu".into());
+    tokenmesh_worker::accelerator::Accelerator::open(&spec)
+        .expect("test device")
+        .device
 }

@@ -5,7 +5,6 @@
 //!
 //! The fixture (tests/fixtures/llamacpp_greedy.json) holds llama.cpp's top-5
 //! probabilities per step and the command that made it.
-use candle_core::Device;
 use serde_json::Value;
 use std::path::PathBuf;
 use tokenmesh_worker::engine::chat_template::ChatTurn;
@@ -50,7 +49,7 @@ fn probs(row: &candle_core::Tensor) -> Vec<f32> {
 
 #[test]
 fn greedy_matches_llama_cpp() {
-    let model = LoadedModel::load(&model_path(), &Device::Cpu).expect("model loads");
+    let model = LoadedModel::load(&model_path(), &device()).expect("model loads");
     let fx = fixture();
     let mut report = Vec::new();
     for case in fx["cases"].as_array().expect("cases") {
@@ -94,7 +93,8 @@ fn greedy_matches_llama_cpp() {
         );
 
         // Follow llama.cpp's tokens, so that every step compares the same context.
-        let mut pool = KvPool::new(model.llama.config(), 64 << 20, 16, &Device::Cpu).unwrap();
+        let mut pool =
+            KvPool::new(model.llama.config(), 64 << 20, 16, model.llama.device()).unwrap();
         let mut cache = KvCache::default();
         let mut feed = ids.clone();
         let mut diverged = 0;
@@ -160,7 +160,7 @@ fn greedy_matches_llama_cpp() {
 
 #[test]
 fn france_reply_is_paris() {
-    let model = LoadedModel::load(&model_path(), &Device::Cpu).expect("model loads");
+    let model = LoadedModel::load(&model_path(), &device()).expect("model loads");
     let turns = vec![
         ChatTurn {
             role: "system".into(),
@@ -178,7 +178,7 @@ fn france_reply_is_paris() {
         .render(&turns, true)
         .unwrap();
     let mut feed = model.tokenizer.encode(&prompt).unwrap();
-    let mut pool = KvPool::new(model.llama.config(), 64 << 20, 16, &Device::Cpu).unwrap();
+    let mut pool = KvPool::new(model.llama.config(), 64 << 20, 16, model.llama.device()).unwrap();
     let mut cache = KvCache::default();
     let mut out = Vec::new();
     for _ in 0..16 {
@@ -217,4 +217,12 @@ fn forward_one(
         .unwrap()
         .to_vec1::<f32>()
         .unwrap()
+}
+
+/// `TOKENMESH_TEST_DEVICE` (e.g. cuda:0 in a `--features cuda` build), else cpu.
+fn device() -> candle_core::Device {
+    let spec = std::env::var("TOKENMESH_TEST_DEVICE").unwrap_or_else(|_| "cpu".into());
+    tokenmesh_worker::accelerator::Accelerator::open(&spec)
+        .expect("test device")
+        .device
 }

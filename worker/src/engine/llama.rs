@@ -198,6 +198,11 @@ impl LlamaModel {
         })
     }
 
+    /// The device the weights live on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
     /// The model's shape.
     pub fn config(&self) -> &LlamaConfig {
         &self.cfg

@@ -71,7 +71,7 @@ impl Scheduler {
             model.llama.config(),
             cfg.kv_budget_bytes,
             cfg.kv_block_size,
-            &candle_core::Device::Cpu,
+            model.llama.device(),
         )?;
         stats
             .kv_blocks_total
