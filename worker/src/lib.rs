@@ -11,9 +11,10 @@ pub mod registration;
 pub mod request;
 pub mod scheduler;
 pub mod server;
+pub mod synthetic;
 
 use candle_core::Device;
-use config::WorkerConfig;
+use config::{EngineKind, WorkerConfig};
 use engine::LoadedModel;
 use scheduler::{EngineHandle, SchedulerConfig};
 use server::{WorkerIdentity, WorkerService};
@@ -35,6 +36,8 @@ pub enum RunError {
     NoTransport,
     #[error("--tls-dir: mutual TLS is not implemented in this build yet; use --insecure")]
     TlsUnsupported,
+    #[error("--synthetic-tokens-per-sec {0}: must be a positive number")]
+    SyntheticRate(f64),
     #[error("--device {0}: only `cpu` is supported by this build")]
     Device(String),
     #[error(transparent)]
@@ -49,21 +52,45 @@ pub enum RunError {
     Join(#[from] tokio::task::JoinError),
 }
 
-/// Loads the model, serves `Worker` on `listener` until `shutdown` resolves,
-/// then drains: stops taking work, deregisters, lets in-flight streams finish
-/// (bounded by the drain timeout) and returns.
-pub async fn run(
-    cfg: WorkerConfig,
-    listener: TcpListener,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> Result<(), RunError> {
-    if cfg.tls_dir.is_some() {
-        return Err(RunError::TlsUnsupported);
+/// A running engine and what the worker reports about it.
+struct StartedEngine {
+    model: Arc<dyn request::PromptModel>,
+    engine: EngineHandle,
+    model_name: String,
+    digest: String,
+    /// Reported as accelerator and device: `cpu`, or `synthetic`.
+    accelerator: &'static str,
+}
+
+/// Loads the GGUF model and starts its engine thread, or starts the
+/// synthetic engine.
+async fn start_engine(cfg: &WorkerConfig) -> Result<StartedEngine, RunError> {
+    let scheduler = SchedulerConfig {
+        max_batch: cfg.max_batch.max(1),
+        queue_capacity: cfg.queue_capacity,
+    };
+    if cfg.engine == EngineKind::Synthetic {
+        let rate = cfg.synthetic_tokens_per_sec;
+        if !(rate.is_finite() && rate > 0.0) {
+            return Err(RunError::SyntheticRate(rate));
+        }
+        tracing::warn!(
+            tokens_per_sec = rate,
+            max_batch = scheduler.max_batch,
+            "synthetic engine: no model is loaded; output is a deterministic word cycle"
+        );
+        return Ok(StartedEngine {
+            model: Arc::new(synthetic::SyntheticModel),
+            engine: synthetic::start(synthetic::SyntheticConfig {
+                tokens_per_sec: rate,
+                max_batch: scheduler.max_batch,
+                queue_capacity: scheduler.queue_capacity,
+            }),
+            model_name: cfg.model_name.clone().unwrap_or_else(|| "synthetic".into()),
+            digest: "synthetic".into(),
+            accelerator: "synthetic",
+        });
     }
-    if !cfg.insecure {
-        return Err(RunError::NoTransport);
-    }
-    tracing::warn!("serving plaintext gRPC (--insecure): development only");
     let device = match cfg.device.as_str() {
         "cpu" => Device::Cpu,
         other => return Err(RunError::Device(other.to_string())),
@@ -93,26 +120,44 @@ pub async fn run(
         secs = started.elapsed().as_secs_f32(),
         "model loaded"
     );
+    Ok(StartedEngine {
+        engine: EngineHandle::start(model.clone(), scheduler),
+        digest: model.digest.clone(),
+        model,
+        model_name,
+        accelerator: "cpu",
+    })
+}
 
+/// Loads the model, serves `Worker` on `listener` until `shutdown` resolves,
+/// then drains: stops taking work, deregisters, lets in-flight streams finish
+/// (bounded by the drain timeout) and returns.
+pub async fn run(
+    cfg: WorkerConfig,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), RunError> {
+    if cfg.tls_dir.is_some() {
+        return Err(RunError::TlsUnsupported);
+    }
+    if !cfg.insecure {
+        return Err(RunError::NoTransport);
+    }
+    tracing::warn!("serving plaintext gRPC (--insecure): development only");
+    let started = start_engine(&cfg).await?;
     let identity = WorkerIdentity {
         worker_id: cfg.worker_id.clone().unwrap_or_else(|| {
             format!("worker-{}", &uuid::Uuid::new_v4().simple().to_string()[..8])
         }),
-        model_name,
+        model_name: started.model_name,
         version: cfg.model_version.clone(),
-        accelerator: "cpu".into(),
-        device: "cpu".into(),
+        accelerator: started.accelerator.into(),
+        device: started.accelerator.into(),
         capacity: cfg.max_batch as u32,
     };
-    let engine = EngineHandle::start(
-        model.clone(),
-        SchedulerConfig {
-            max_batch: cfg.max_batch.max(1),
-            queue_capacity: cfg.queue_capacity,
-        },
-    );
+    let engine = started.engine;
     let service = WorkerService::new(
-        model.clone(),
+        started.model,
         engine.clone(),
         identity.clone(),
         cfg.default_max_tokens,
@@ -141,7 +186,7 @@ pub async fn run(
         let keys = Keys::new(&cfg.etcd_prefix);
         let record = WorkerRecord {
             addr: cfg.advertised_addr(bound),
-            model_digest: model.digest.clone(),
+            model_digest: started.digest,
             accelerator: identity.accelerator.clone(),
             device: identity.device.clone(),
             capacity: identity.capacity,

@@ -93,7 +93,9 @@ pub struct SchedulerConfig {
     pub queue_capacity: usize,
 }
 
-enum Command {
+/// What an engine's handle sends it; every engine (the model's thread, the
+/// synthetic task) consumes the same commands.
+pub(crate) enum Command {
     Submit(Box<SequenceRequest>),
     Abort(String),
 }
@@ -109,19 +111,26 @@ pub struct EngineHandle {
 impl EngineHandle {
     /// Starts the engine thread for `model`.
     pub fn start(model: Arc<LoadedModel>, cfg: SchedulerConfig) -> Self {
-        let (tx, rx) = mpsc::unbounded_channel();
-        let stats = Arc::new(EngineStats::default());
-        let queue_capacity = cfg.queue_capacity;
-        let thread_stats = stats.clone();
+        let (handle, rx) = Self::channel(cfg.queue_capacity);
+        let thread_stats = handle.stats.clone();
         std::thread::Builder::new()
             .name("engine".into())
             .spawn(move || Scheduler::new(model, cfg, thread_stats).run(rx))
             .expect("spawning the engine thread");
-        Self {
+        handle
+    }
+
+    /// A handle and the command receiver its engine consumes; the engine
+    /// keeps `stats.active` current, the handle and the engine share
+    /// `stats.queued` (see `Scheduler::publish`).
+    pub(crate) fn channel(queue_capacity: usize) -> (Self, mpsc::UnboundedReceiver<Command>) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let handle = Self {
             tx,
-            stats,
+            stats: Arc::new(EngineStats::default()),
             queue_capacity,
-        }
+        };
+        (handle, rx)
     }
 
     /// Queues a sequence, or refuses at once when the queue is full.
