@@ -4,7 +4,11 @@
 # (2) the real model through the router at 1, 4 and 16 streams,
 # (3) llama.cpp on the same model and thread count, if llama-cpp-python is
 #     available (LLAMACPP_PYTHON, default /tmp/llamacpp-venv/bin/python),
-# (4) the 27-point sweep with heatmaps.
+# (4) the 27-point sweep with heatmaps,
+# (5) the streamed tokens/s ceiling: a fast synthetic engine (1000 tok/s per
+#     sequence, 100 streams) directly and through the router, with the
+#     router's CPU time per run.
+# ONLY="synthetic real llamacpp sweep ceiling" picks sections.
 # Results go to $OUT (default bench-results/). Every run is short: the whole
 # script takes about ten minutes on two cores.
 set -euo pipefail
@@ -18,6 +22,10 @@ cargo build --release --workspace
 BIN=target/release
 MODEL=$($BIN/meshctl fetch-model --python "${TOKENMESH_PYTHON:-python3}")
 
+want() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
+cpu_secs() { # utime + stime of a process, seconds
+  awk -v hz="$(getconf CLK_TCK)" '{ print ($14 + $15) / hz }' "/proc/$1/stat"
+}
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
 trap cleanup EXIT
@@ -36,11 +44,12 @@ mesh() { # mesh NAME MODEL_NAME WORKER_ARGS...: one worker and a router; sets WO
     "$name" "$model" "$wp" "$model" >"$OUT/$name-static.toml"
   $BIN/tokenmesh-router --insecure --listen 127.0.0.1:$rp --static "$OUT/$name-static.toml" --log warn \
     >"$OUT/$name-router.log" 2>&1 & pids+=($!)
-  WORKER=127.0.0.1:$wp; ROUTER=127.0.0.1:$rp
+  WORKER=127.0.0.1:$wp; ROUTER=127.0.0.1:$rp; ROUTER_PID=$!
   wait_for "$ROUTER"
   for _ in $(seq 100); do $BIN/meshctl models --router "$ROUTER" | grep -q " 1  $name" && return 0; sleep 0.1; done
 }
 
+if want synthetic; then
 echo "== synthetic engine: direct vs router"
 mesh synthetic synthetic --engine synthetic --synthetic-tokens-per-sec 100 --max-batch 256 --queue-capacity 1024
 : >"$OUT/synthetic.jsonl"
@@ -54,7 +63,9 @@ for c in 16 100; do
   done
 done
 cleanup; pids=()
+fi
 
+if want real; then
 echo "== real model through the router ($THREADS thread(s))"
 mesh real smollm2-135m-instruct --model "$MODEL" --threads "$THREADS" --max-batch 16
 : >"$OUT/real.jsonl"
@@ -63,8 +74,11 @@ for c in 1 4 16; do
     --duration 10 --warmup 2 --repeat "$REPS" --output json --no-progress >>"$OUT/real.jsonl"
 done
 cleanup; pids=()
+fi
 
-if [ -x "$LLAMACPP_PYTHON" ]; then
+if ! want llamacpp; then
+  :
+elif [ -x "$LLAMACPP_PYTHON" ]; then
   echo "== llama.cpp, $THREADS thread(s)"
   "$LLAMACPP_PYTHON" scripts/llamacpp_bench.py --model "$MODEL" --threads "$THREADS" --max-tokens 32 --reps "$REPS" \
     | tee "$OUT/llamacpp.txt"
@@ -72,11 +86,30 @@ else
   echo "== llama.cpp skipped: $LLAMACPP_PYTHON not found"
 fi
 
+if want sweep; then
 echo "== sweep (synthetic engine)"
 $BIN/meshctl bench sweep --engine synthetic --synthetic-tokens-per-sec 50 --duration 2 --warmup 0.5 \
   --max-tokens 32 --out-dir "$OUT/sweep" --output json --no-progress >/dev/null
+fi
 
-python3 scripts/bench_summary.py "$OUT/synthetic.jsonl" >"$OUT/synthetic.md"
-python3 scripts/bench_summary.py "$OUT/real.jsonl" >"$OUT/real.md"
-cat "$OUT/synthetic.md" "$OUT/real.md"
+if want ceiling; then
+echo "== streamed tokens/s ceiling: synthetic engine at 1000 tok/s per sequence, 100 streams"
+mesh ceiling synthetic --engine synthetic --synthetic-tokens-per-sec 1000 --max-batch 256 --queue-capacity 1024
+: >"$OUT/ceiling.jsonl"; : >"$OUT/ceiling-router-cpu.txt"
+for rep in $(seq "$REPS"); do
+  for to in direct router; do
+    if [ $to = direct ]; then args=(--direct --target "$WORKER"); else args=(--target "$ROUTER"); fi
+    before=$(cpu_secs "$ROUTER_PID")
+    $BIN/meshctl bench "${args[@]}" --concurrency 100 --max-tokens 200 --prompt-words 32 \
+      --duration 4 --warmup 1 --seed "$rep" --output json --no-progress >>"$OUT/ceiling.jsonl"
+    echo "$to rep $rep: router CPU $(awk -v a="$before" -v b="$(cpu_secs "$ROUTER_PID")" 'BEGIN { print b - a }') s over 5 s" \
+      | tee -a "$OUT/ceiling-router-cpu.txt"
+  done
+done
+cleanup; pids=()
+fi
+
+for f in synthetic real ceiling; do
+  [ -s "$OUT/$f.jsonl" ] && python3 scripts/bench_summary.py "$OUT/$f.jsonl" | tee "$OUT/$f.md"
+done
 echo "results in $OUT"

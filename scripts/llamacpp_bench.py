@@ -26,17 +26,22 @@ PROMPT = (
 )
 
 
-def one(llm, max_tokens):
+def one(llm, max_tokens, rep):
+    # A different first word each time: llama-cpp-python reuses the KV cache
+    # of a matching prompt prefix, which would hide the prompt's cost.
+    prompt = f"{rep} {PROMPT}"
     start = time.perf_counter()
     stamps = []
-    for _ in llm.create_completion(
-        PROMPT,
+    for chunk in llm.create_completion(
+        prompt,
         max_tokens=max_tokens,
         temperature=0.0,
         stream=True,
         logit_bias={llm.token_eos(): -1e9},
     ):
-        stamps.append(time.perf_counter())
+        # The stream ends with a chunk that only carries the finish reason.
+        if chunk["choices"][0]["finish_reason"] is None or chunk["choices"][0]["text"]:
+            stamps.append(time.perf_counter())
     end = time.perf_counter()
     n = len(stamps)
     ttft = stamps[0] - start
@@ -51,11 +56,17 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
-    llm = Llama(model_path=args.model, n_threads=args.threads, n_ctx=2048, verbose=False)
-    one(llm, 8)  # warm-up: first-call allocations and page faults
+    llm = Llama(
+        model_path=args.model,
+        n_threads=args.threads,
+        n_threads_batch=args.threads,  # the default is every core
+        n_ctx=2048,
+        verbose=False,
+    )
+    one(llm, 8, "warm")  # warm-up: first-call allocations and page faults
     runs = []
     for i in range(args.reps):
-        r = one(llm, args.max_tokens)
+        r = one(llm, args.max_tokens, i)
         runs.append(r)
         print(
             f"rep {i + 1}: {r['tokens']} tokens, first token {r['ttft_ms']:.1f} ms, "
