@@ -20,7 +20,7 @@ use std::time::Duration;
 use tokenmesh_proto::keys::Keys;
 use tokenmesh_proto::v1::inference_server::InferenceServer;
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
+use tonic::transport::server::TcpIncoming;
 
 /// Why the router could not start or stopped abnormally.
 #[derive(Debug, thiserror::Error)]
@@ -102,7 +102,12 @@ pub async fn run(
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
         .add_service(InferenceServer::new(service))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        // Streams are many small messages: without TCP_NODELAY, Nagle's
+        // algorithm and delayed ACKs hold a token back by up to 40 ms.
+        .serve_with_incoming_shutdown(
+            TcpIncoming::from(listener).with_nodelay(Some(true)),
+            shutdown,
+        )
         .await?;
     Ok(())
 }

@@ -219,6 +219,9 @@ pub struct WorkerOpts {
     pub version: String,
     pub etcd: Option<String>,
     pub extra: Vec<String>,
+    /// Run the synthetic engine at this many tokens/s per sequence instead
+    /// of the real model.
+    pub synthetic_tokens_per_sec: Option<f64>,
 }
 
 impl WorkerOpts {
@@ -229,27 +232,39 @@ impl WorkerOpts {
             version: "v1".into(),
             etcd: None,
             extra: vec![],
+            synthetic_tokens_per_sec: None,
         }
     }
 }
 
 impl WorkerProc {
-    /// Starts a worker with the real model and waits until it serves.
+    /// Starts a worker (the real model unless `opts` asks for the synthetic
+    /// engine) and waits until it serves.
     pub async fn start(opts: WorkerOpts, dir: &Path) -> Result<Self> {
         let port = free_port();
         let mut args: Vec<String> = vec![
             "--listen".into(),
             format!("127.0.0.1:{port}"),
             "--insecure".into(),
-            "--model".into(),
-            model_path().display().to_string(),
             "--model-version".into(),
             opts.version.clone(),
             "--worker-id".into(),
             opts.id.clone(),
-            "--threads".into(),
-            "1".into(),
         ];
+        match opts.synthetic_tokens_per_sec {
+            Some(rate) => args.extend([
+                "--engine".into(),
+                "synthetic".into(),
+                "--synthetic-tokens-per-sec".into(),
+                rate.to_string(),
+            ]),
+            None => args.extend([
+                "--model".into(),
+                model_path().display().to_string(),
+                "--threads".into(),
+                "1".into(),
+            ]),
+        }
         if let Some(e) = &opts.etcd {
             args.extend(["--etcd".into(), e.clone()]);
         }

@@ -37,6 +37,21 @@ pub struct WorkerConfig {
     #[arg(long, env = "TOKENMESH_TLS_DIR")]
     pub tls_dir: Option<PathBuf>,
 
+    /// Engine: `model` runs the GGUF model; `synthetic` loads no model and
+    /// emits deterministic words at --synthetic-tokens-per-sec per sequence,
+    /// for router tests and benchmarks (never for serving users).
+    #[arg(long, env = "TOKENMESH_ENGINE", value_enum, default_value_t = EngineKind::Model)]
+    pub engine: EngineKind,
+
+    /// Synthetic engine only: tokens per second of each running sequence
+    /// (capacity is --max-batch, the queue --queue-capacity).
+    #[arg(
+        long,
+        env = "TOKENMESH_SYNTHETIC_TOKENS_PER_SEC",
+        default_value_t = 50.0
+    )]
+    pub synthetic_tokens_per_sec: f64,
+
     /// GGUF model file, or `default` for the cached SmolLM2-135M-Instruct.
     #[arg(long, env = "TOKENMESH_MODEL", default_value = "default")]
     pub model: String,
@@ -50,7 +65,8 @@ pub struct WorkerConfig {
     #[arg(long, env = "TOKENMESH_PYTHON", default_value = "python3")]
     pub python: String,
 
-    /// Name the model is served under (default: from the GGUF metadata).
+    /// Name the model is served under (default: from the GGUF metadata;
+    /// `synthetic` for the synthetic engine).
     #[arg(long, env = "TOKENMESH_MODEL_NAME")]
     pub model_name: Option<String>,
 
@@ -111,6 +127,15 @@ pub struct WorkerConfig {
 
     #[command(flatten)]
     pub telemetry: tokenmesh_proto::telemetry::TelemetryArgs,
+}
+
+/// Which engine generates tokens.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EngineKind {
+    /// The GGUF model (the default).
+    Model,
+    /// Deterministic words at a set rate, no model (see `synthetic`).
+    Synthetic,
 }
 
 impl WorkerConfig {

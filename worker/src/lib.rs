@@ -12,8 +12,9 @@ pub mod registration;
 pub mod request;
 pub mod scheduler;
 pub mod server;
+pub mod synthetic;
 
-use config::WorkerConfig;
+use config::{EngineKind, WorkerConfig};
 use engine::LoadedModel;
 use scheduler::{EngineHandle, SchedulerConfig};
 use server::{WorkerIdentity, WorkerService};
@@ -26,7 +27,7 @@ use tokenmesh_proto::records::WorkerRecord;
 use tokenmesh_proto::v1::worker_server::WorkerServer;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
-use tokio_stream::wrappers::TcpListenerStream;
+use tonic::transport::server::TcpIncoming;
 
 /// Why the worker could not start or stopped abnormally.
 #[derive(Debug, thiserror::Error)]
@@ -35,8 +36,12 @@ pub enum RunError {
     NoTransport,
     #[error("--tls-dir: mutual TLS is not implemented in this build yet; use --insecure")]
     TlsUnsupported,
+    #[error("--synthetic-tokens-per-sec {0}: must be a positive number")]
+    SyntheticRate(f64),
     #[error(transparent)]
     Device(#[from] accelerator::AcceleratorError),
+    #[error("allocating the KV cache pool: {0}")]
+    KvPool(candle_core::Error),
     #[error(transparent)]
     Fetch(#[from] model_cache::FetchError),
     #[error(transparent)]
@@ -45,27 +50,69 @@ pub enum RunError {
     Serve(#[from] tonic::transport::Error),
     #[error("listener: {0}")]
     Listener(std::io::Error),
-    #[error("allocating the KV cache pool: {0}")]
-    KvPool(candle_core::Error),
     #[error("model loading was interrupted: {0}")]
     Join(#[from] tokio::task::JoinError),
 }
 
-/// Loads the model, serves `Worker` on `listener` until `shutdown` resolves,
-/// then drains: stops taking work, deregisters, lets in-flight streams finish
-/// (bounded by the drain timeout) and returns.
-pub async fn run(
-    cfg: WorkerConfig,
-    listener: TcpListener,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> Result<(), RunError> {
-    if cfg.tls_dir.is_some() {
-        return Err(RunError::TlsUnsupported);
+/// A running engine and what the worker reports about it.
+struct StartedEngine {
+    model: Arc<dyn request::PromptModel>,
+    engine: EngineHandle,
+    model_name: String,
+    digest: String,
+    /// Reported as accelerator: `cpu`, `cuda`, or `synthetic`.
+    accelerator: &'static str,
+    /// Reported as device: its name.
+    device: String,
+    /// The real device, for memory telemetry (None for the synthetic engine).
+    accel: Option<accelerator::Accelerator>,
+}
+
+/// Loads the GGUF model and starts its engine thread, or starts the
+/// synthetic engine.
+async fn start_engine(cfg: &WorkerConfig, worker_id: &str) -> Result<StartedEngine, RunError> {
+    let labels = |model: &str| {
+        vec![
+            ("model", model.to_string()),
+            ("version", cfg.model_version.clone()),
+            ("worker", worker_id.to_string()),
+        ]
+    };
+    let scheduler = SchedulerConfig {
+        max_batch: cfg.max_batch.max(1),
+        queue_capacity: cfg.queue_capacity,
+        max_tokens_per_step: cfg.max_tokens_per_step.max(1),
+        step_latency_target: (cfg.step_latency_target_ms > 0)
+            .then(|| Duration::from_millis(cfg.step_latency_target_ms)),
+        kv_budget_bytes: cfg.kv_budget_mib << 20,
+        kv_block_size: cfg.kv_block_size.max(1),
+        priority_aging: Duration::from_millis(cfg.priority_aging_ms),
+        labels: vec![],
+    };
+    if cfg.engine == EngineKind::Synthetic {
+        let rate = cfg.synthetic_tokens_per_sec;
+        if !(rate.is_finite() && rate > 0.0) {
+            return Err(RunError::SyntheticRate(rate));
+        }
+        tracing::warn!(
+            tokens_per_sec = rate,
+            max_batch = scheduler.max_batch,
+            "synthetic engine: no model is loaded; output is a deterministic word cycle"
+        );
+        return Ok(StartedEngine {
+            model: Arc::new(synthetic::SyntheticModel),
+            engine: synthetic::start(synthetic::SyntheticConfig {
+                tokens_per_sec: rate,
+                max_batch: scheduler.max_batch,
+                queue_capacity: scheduler.queue_capacity,
+            }),
+            model_name: cfg.model_name.clone().unwrap_or_else(|| "synthetic".into()),
+            digest: "synthetic".into(),
+            accelerator: "synthetic",
+            device: "synthetic".into(),
+            accel: None,
+        });
     }
-    if !cfg.insecure {
-        return Err(RunError::NoTransport);
-    }
-    tracing::warn!("serving plaintext gRPC (--insecure): development only");
     let accel = accelerator::Accelerator::open(&cfg.device)?;
     let device = accel.device.clone();
     let cache = cfg
@@ -93,37 +140,50 @@ pub async fn run(
         secs = started.elapsed().as_secs_f32(),
         "model loaded"
     );
-
-    let identity = WorkerIdentity {
-        worker_id: cfg.worker_id.clone().unwrap_or_else(|| {
-            format!("worker-{}", &uuid::Uuid::new_v4().simple().to_string()[..8])
-        }),
+    let scheduler = SchedulerConfig {
+        labels: labels(&model_name),
+        ..scheduler
+    };
+    Ok(StartedEngine {
+        engine: EngineHandle::start(model.clone(), scheduler).map_err(RunError::KvPool)?,
+        digest: model.digest.clone(),
+        model,
         model_name,
-        version: cfg.model_version.clone(),
-        accelerator: accel.kind.into(),
+        accelerator: accel.kind,
         device: accel.name.clone(),
+        accel: Some(accel),
+    })
+}
+
+/// Loads the model, serves `Worker` on `listener` until `shutdown` resolves,
+/// then drains: stops taking work, deregisters, lets in-flight streams finish
+/// (bounded by the drain timeout) and returns.
+pub async fn run(
+    cfg: WorkerConfig,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), RunError> {
+    if cfg.tls_dir.is_some() {
+        return Err(RunError::TlsUnsupported);
+    }
+    if !cfg.insecure {
+        return Err(RunError::NoTransport);
+    }
+    tracing::warn!("serving plaintext gRPC (--insecure): development only");
+    let worker_id = cfg
+        .worker_id
+        .clone()
+        .unwrap_or_else(|| format!("worker-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]));
+    let started = start_engine(&cfg, &worker_id).await?;
+    let identity = WorkerIdentity {
+        worker_id,
+        model_name: started.model_name,
+        version: cfg.model_version.clone(),
+        accelerator: started.accelerator.into(),
+        device: started.device.clone(),
         capacity: cfg.max_batch as u32,
     };
-    let engine = EngineHandle::start(
-        model.clone(),
-        SchedulerConfig {
-            max_batch: cfg.max_batch.max(1),
-            queue_capacity: cfg.queue_capacity,
-            max_tokens_per_step: cfg.max_tokens_per_step.max(1),
-            step_latency_target: (cfg.step_latency_target_ms > 0)
-                .then(|| Duration::from_millis(cfg.step_latency_target_ms)),
-            kv_budget_bytes: cfg.kv_budget_mib << 20,
-            kv_block_size: cfg.kv_block_size.max(1),
-            priority_aging: Duration::from_millis(cfg.priority_aging_ms),
-            labels: vec![
-                ("model", identity.model_name.clone()),
-                ("version", identity.version.clone()),
-                ("worker", identity.worker_id.clone()),
-            ],
-        },
-    )
-    .map_err(RunError::KvPool)?;
-    if accel.memory().is_some() {
+    if let Some(accel) = started.accel.filter(|a| a.memory().is_some()) {
         let labels = [
             ("worker", identity.worker_id.clone()),
             ("device", cfg.device.clone()),
@@ -139,8 +199,9 @@ pub async fn run(
             }
         });
     }
+    let engine = started.engine;
     let service = WorkerService::new(
-        model.clone(),
+        started.model,
         engine.clone(),
         identity.clone(),
         cfg.default_max_tokens,
@@ -169,7 +230,7 @@ pub async fn run(
         let keys = Keys::new(&cfg.etcd_prefix);
         let record = WorkerRecord {
             addr: cfg.advertised_addr(bound),
-            model_digest: model.digest.clone(),
+            model_digest: started.digest,
             accelerator: identity.accelerator.clone(),
             device: identity.device.clone(),
             capacity: identity.capacity,
@@ -220,9 +281,14 @@ pub async fn run(
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
         .add_service(WorkerServer::new(service))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
-            let _ = stop_rx.await;
-        })
+        // Streams are many small messages: without TCP_NODELAY, Nagle's
+        // algorithm and delayed ACKs hold a token back by up to 40 ms.
+        .serve_with_incoming_shutdown(
+            TcpIncoming::from(listener).with_nodelay(Some(true)),
+            async {
+                let _ = stop_rx.await;
+            },
+        )
         .await?;
     drainer.abort();
     tracing::info!("worker stopped");

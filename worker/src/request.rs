@@ -1,11 +1,60 @@
 //! Turns a wire request into what the engine runs: validated sampling settings
 //! and the token ids of the rendered prompt.
+//!
+//! Preparation needs only what [`PromptModel`] offers, so the same validation
+//! serves the real GGUF model and the synthetic engine.
 use crate::engine::chat_template::ChatTurn;
 use crate::engine::sampling::SamplingParams;
 use crate::engine::LoadedModel;
 use crate::errors::WorkerError;
-use tokenmesh_proto::v1::WorkerGenerateRequest;
+use tokenmesh_proto::v1::{GenerateRequest, WorkerGenerateRequest};
 use tokenmesh_proto::validate::check_request;
+
+/// What request preparation needs to know about the served model.
+pub trait PromptModel: Send + Sync + 'static {
+    /// Tokens of context (prompt and completion) a sequence may fill.
+    fn context_length(&self) -> usize;
+    /// Token ids are below this.
+    fn vocab_size(&self) -> usize;
+    /// Renders the prompt or chat messages of `g` and tokenizes the result.
+    fn encode_prompt(&self, g: &GenerateRequest) -> Result<Vec<u32>, WorkerError>;
+}
+
+impl PromptModel for LoadedModel {
+    fn context_length(&self) -> usize {
+        self.llama.config().context_length
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.llama.vocab_size()
+    }
+
+    fn encode_prompt(&self, g: &GenerateRequest) -> Result<Vec<u32>, WorkerError> {
+        let text = if g.messages.is_empty() {
+            g.prompt.clone()
+        } else {
+            let template = self.template.as_ref().ok_or_else(|| {
+                WorkerError::Template(
+                    "this model has no chat template; send a prompt instead".into(),
+                )
+            })?;
+            let turns: Vec<ChatTurn> = g
+                .messages
+                .iter()
+                .map(|m| ChatTurn {
+                    role: m.role.clone(),
+                    content: m.content.clone(),
+                })
+                .collect();
+            template
+                .render(&turns, true)
+                .map_err(|e| WorkerError::Template(e.to_string()))?
+        };
+        self.tokenizer
+            .encode(&text)
+            .map_err(|e| WorkerError::Tokenize(e.to_string()))
+    }
+}
 
 /// A request ready for the engine.
 #[derive(Debug)]
@@ -23,7 +72,7 @@ pub struct Prepared {
 
 /// Validates `req` against the model and tokenizes it.
 pub fn prepare(
-    model: &LoadedModel,
+    model: &dyn PromptModel,
     served_name: &str,
     default_max_tokens: usize,
     req: &WorkerGenerateRequest,
@@ -41,29 +90,8 @@ pub fn prepare(
             served: served_name.to_string(),
         });
     }
-    let context_len = model.llama.config().context_length;
-    let text = if g.messages.is_empty() {
-        g.prompt.clone()
-    } else {
-        let template = model.template.as_ref().ok_or_else(|| {
-            WorkerError::Template("this model has no chat template; send a prompt instead".into())
-        })?;
-        let turns: Vec<ChatTurn> = g
-            .messages
-            .iter()
-            .map(|m| ChatTurn {
-                role: m.role.clone(),
-                content: m.content.clone(),
-            })
-            .collect();
-        template
-            .render(&turns, true)
-            .map_err(|e| WorkerError::Template(e.to_string()))?
-    };
-    let mut context = model
-        .tokenizer
-        .encode(&text)
-        .map_err(|e| WorkerError::Tokenize(e.to_string()))?;
+    let context_len = model.context_length();
+    let mut context = model.encode_prompt(g)?;
     let prompt_tokens = context.len();
     if prompt_tokens >= context_len {
         return Err(WorkerError::PromptTooLong {
@@ -71,7 +99,7 @@ pub fn prepare(
             context: context_len,
         });
     }
-    let vocab = model.llama.vocab_size() as u32;
+    let vocab = model.vocab_size() as u32;
     if let Some(bad) = req.emitted_token_ids.iter().find(|&&t| t >= vocab) {
         return Err(WorkerError::BadContinuation(format!(
             "token id {bad} is outside the vocabulary of {vocab}"

@@ -1,7 +1,6 @@
 //! The `tokenmesh.v1.Worker` gRPC service.
-use crate::engine::LoadedModel;
 use crate::errors::WorkerError;
-use crate::request::prepare;
+use crate::request::{prepare, PromptModel};
 use crate::scheduler::{EngineHandle, Event, Finish, SequenceRequest};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -27,10 +26,11 @@ pub struct WorkerIdentity {
     pub capacity: u32,
 }
 
-/// Serves Generate, Abort and Status over one engine.
+/// Serves Generate, Abort and Status over one engine: the real model or the
+/// synthetic one, which the router cannot tell apart.
 #[derive(Clone)]
 pub struct WorkerService {
-    model: Arc<LoadedModel>,
+    model: Arc<dyn PromptModel>,
     engine: EngineHandle,
     identity: WorkerIdentity,
     default_max_tokens: usize,
@@ -47,7 +47,7 @@ impl WorkerService {
 
     /// A service over a started engine.
     pub fn new(
-        model: Arc<LoadedModel>,
+        model: Arc<dyn PromptModel>,
         engine: EngineHandle,
         identity: WorkerIdentity,
         default_max_tokens: usize,
@@ -93,7 +93,7 @@ impl Worker for WorkerService {
         let req = request.into_inner();
         let labels = self.labels();
         let prepared = prepare(
-            &self.model,
+            self.model.as_ref(),
             &self.identity.model_name,
             self.default_max_tokens,
             &req,
@@ -197,7 +197,7 @@ impl Worker for WorkerService {
             accelerator: self.identity.accelerator.clone(),
             device: self.identity.device.clone(),
             draining: stats.draining.load(Ordering::SeqCst),
-            max_context: self.model.llama.config().context_length as u32,
+            max_context: self.model.context_length() as u32,
             capacity: self.identity.capacity,
         }))
     }

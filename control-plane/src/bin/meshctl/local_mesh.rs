@@ -41,7 +41,7 @@ pub struct UpArgs {
 }
 
 /// The binaries are installed side by side; find a sibling of this executable.
-fn sibling(name: &str) -> anyhow::Result<PathBuf> {
+pub fn sibling(name: &str) -> anyhow::Result<PathBuf> {
     let me = std::env::current_exe().context("locating meshctl")?;
     let path = me.with_file_name(name);
     if !path.is_file() {

@@ -1,10 +1,11 @@
 //! `meshctl`: the operator's command line for tokenmesh.
+mod bench;
 mod client;
 mod local_mesh;
 
 use clap::{Parser, Subcommand};
 
-/// Operate a tokenmesh: run a local mesh, stream a reply, list models.
+/// Operate a tokenmesh: run a local mesh, stream a reply, list models, benchmark.
 #[derive(Parser, Debug)]
 #[command(name = "meshctl", version)]
 struct Cli {
@@ -27,6 +28,8 @@ enum Cmd {
         #[arg(long, env = "TOKENMESH_PYTHON", default_value = "python3")]
         python: String,
     },
+    /// Load a router or a worker and report throughput and latency; `bench sweep` runs a grid.
+    Bench(Box<bench::BenchCmd>),
     /// List models, versions, traffic split and ready workers.
     Models {
         /// Router address.
@@ -67,6 +70,7 @@ async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Cmd::Up(args) => local_mesh::up(args).await,
+        Cmd::Bench(cmd) => bench::main(*cmd).await,
         Cmd::Generate(g) => {
             let mut c = client::connect(&g.router).await?;
             let summary = client::generate(

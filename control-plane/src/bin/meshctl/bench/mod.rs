@@ -1,0 +1,99 @@
+//! `meshctl bench`: the load generator, and `meshctl bench sweep`, a grid of
+//! configurations over processes it starts itself.
+pub mod heatmap;
+pub mod load;
+pub mod report;
+pub mod sweep;
+pub mod transport;
+pub mod workload;
+
+use report::Format;
+use std::collections::BTreeMap;
+use std::io::IsTerminal;
+
+/// Send load to a router or a worker and report throughput and latency.
+#[derive(clap::Args, Debug)]
+#[command(args_conflicts_with_subcommands = true)]
+pub struct BenchCmd {
+    #[command(subcommand)]
+    pub sweep: Option<SweepCmd>,
+    #[command(flatten)]
+    pub load: load::LoadArgs,
+    /// Runs of the same load, one report each.
+    #[arg(long, default_value_t = 1)]
+    pub repeat: u32,
+    #[command(flatten)]
+    pub output: OutputArgs,
+}
+
+/// `meshctl bench sweep`.
+#[derive(clap::Subcommand, Debug)]
+pub enum SweepCmd {
+    /// Start workers and a router for each point of a concurrency × max batch ×
+    /// workers grid, load each, and write JSON lines and heatmaps.
+    Sweep(sweep::SweepArgs),
+}
+
+/// How results are shown.
+#[derive(clap::Args, Debug, Clone)]
+pub struct OutputArgs {
+    /// Report format.
+    #[arg(long, value_enum, default_value_t = Format::Table, global = true)]
+    pub output: Format,
+    /// No progress bar (it is drawn only on a terminal anyway).
+    #[arg(long, global = true)]
+    pub no_progress: bool,
+}
+
+impl OutputArgs {
+    fn progress(&self) -> bool {
+        !self.no_progress && std::io::stderr().is_terminal()
+    }
+}
+
+/// Runs `meshctl bench`.
+pub async fn main(cmd: BenchCmd) -> anyhow::Result<()> {
+    if let Some(SweepCmd::Sweep(args)) = cmd.sweep {
+        return sweep::run(args, &cmd.output).await;
+    }
+    anyhow::ensure!(cmd.repeat >= 1, "--repeat must be at least 1");
+    let mut reports = Vec::new();
+    for rep in 1..=cmd.repeat {
+        let run = load::run(&cmd.load, cmd.output.progress()).await?;
+        let mut labels = labels(&cmd.load, &run.model);
+        if cmd.repeat > 1 {
+            labels.insert("rep".into(), rep.to_string());
+        }
+        let report = report::summarize(&run, labels);
+        // JSON lines and tables go out as each run ends; Markdown is one table.
+        if cmd.output.output != Format::Markdown {
+            print!(
+                "{}",
+                report::render(std::slice::from_ref(&report), cmd.output.output)
+            );
+        }
+        reports.push(report);
+    }
+    if cmd.output.output == Format::Markdown {
+        print!("{}", report::render(&reports, Format::Markdown));
+    }
+    Ok(())
+}
+
+/// What a single run is, as report labels.
+fn labels(args: &load::LoadArgs, model: &str) -> BTreeMap<String, String> {
+    let mut l = BTreeMap::new();
+    l.insert("target".into(), args.target.clone());
+    l.insert(
+        "api".into(),
+        if args.direct { "worker" } else { "router" }.into(),
+    );
+    l.insert("model".into(), model.into());
+    match args.rate {
+        Some(r) => l.insert("rate".into(), format!("{r}")),
+        None => l.insert("concurrency".into(), args.concurrency.to_string()),
+    };
+    l.insert("max_tokens".into(), args.max_tokens.to_string());
+    l.insert("prompt_words".into(), args.prompt_words.to_string());
+    l
+}

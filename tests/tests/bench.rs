@@ -1,0 +1,126 @@
+//! The load generator checked against a known source: a synthetic worker at a
+//! set token rate. `meshctl bench` runs as the real binary with JSON output,
+//! directly against the worker and through a router, and must measure the
+//! configured tokens/s and inter-token latency within 5 %.
+use anyhow::{Context, Result};
+use serde_json::Value;
+use tokenmesh_tests::{bin, RouterProc, WorkerOpts, WorkerProc};
+
+const RATE: f64 = 50.0; // tokens/s per sequence: one every 20 ms
+const STREAMS: f64 = 4.0;
+
+/// Runs `meshctl bench` with `extra` arguments; its single JSON report.
+async fn bench(extra: &[&str]) -> Result<Value> {
+    let mut args = vec![
+        "bench",
+        "--concurrency",
+        "4",
+        "--max-tokens",
+        "25",
+        "--prompt-words",
+        "8..24",
+        "--duration",
+        "3",
+        "--warmup",
+        "0.5",
+        "--drain-timeout",
+        "10",
+        "--output",
+        "json",
+        "--no-progress",
+    ];
+    args.extend_from_slice(extra);
+    let out = tokio::process::Command::new(bin("meshctl"))
+        .args(&args)
+        .output()
+        .await?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    anyhow::ensure!(
+        out.status.success(),
+        "meshctl bench failed: {}\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = stdout.lines().next().context("no report line")?;
+    serde_json::from_str(line).with_context(|| format!("not a JSON report: {line}"))
+}
+
+fn within(measured: f64, expected: f64, what: &str, report: &Value) {
+    let off = (measured - expected).abs() / expected;
+    assert!(
+        off <= 0.05,
+        "{what}: measured {measured:.3}, configured {expected:.3} ({:.1} % off)\n{report:#}",
+        off * 100.0
+    );
+}
+
+fn check(report: &Value) {
+    let f = |path: &[&str]| {
+        path.iter()
+            .fold(report, |v, k| &v[*k])
+            .as_f64()
+            .unwrap_or_else(|| panic!("{path:?} missing in {report:#}"))
+    };
+    assert_eq!(report["errors"], serde_json::json!({}), "{report:#}");
+    assert!(f(&["requests"]) >= 16.0, "too few requests: {report:#}");
+    // Each stream is busy all the time but for a request's set-up (well under
+    // a millisecond against a 500 ms request), so the aggregate is streams × rate.
+    within(
+        f(&["output_tokens_per_sec"]),
+        STREAMS * RATE,
+        "tokens/s",
+        report,
+    );
+    within(
+        f(&["itl_ms", "mean"]),
+        1000.0 / RATE,
+        "mean inter-token latency",
+        report,
+    );
+    within(
+        f(&["itl_ms", "p50"]),
+        1000.0 / RATE,
+        "p50 inter-token latency",
+        report,
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bench_measures_the_synthetic_engine_rate_within_5_percent() {
+    let dir = tempfile::tempdir().unwrap();
+    let opts = WorkerOpts {
+        synthetic_tokens_per_sec: Some(RATE),
+        extra: vec!["--model-name".into(), "synthetic".into()],
+        ..WorkerOpts::new("w-synthetic")
+    };
+    let worker = WorkerProc::start(opts, dir.path()).await.unwrap();
+
+    let direct = bench(&["--direct", "--target", &worker.addr])
+        .await
+        .unwrap();
+    assert_eq!(direct["labels"]["api"], "worker");
+    check(&direct);
+
+    let static_file = dir.path().join("static.toml");
+    std::fs::write(
+        &static_file,
+        format!(
+            "[[workers]]\nid = \"w-synthetic\"\nmodel = \"synthetic\"\nversion = \"v1\"\naddr = \"{}\"\n\n[models.\"synthetic\"]\nstable = \"v1\"\n",
+            worker.addr
+        ),
+    )
+    .unwrap();
+    let router = RouterProc::start(
+        &["--static".into(), static_file.display().to_string()],
+        dir.path(),
+    )
+    .await
+    .unwrap();
+    router
+        .wait_ready_workers("synthetic", 1, std::time::Duration::from_secs(10))
+        .await
+        .unwrap();
+    let routed = bench(&["--target", &router.addr]).await.unwrap();
+    assert_eq!(routed["labels"]["api"], "router");
+    check(&routed);
+}
