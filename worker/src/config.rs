@@ -134,7 +134,7 @@ pub struct WorkerConfig {
 pub enum EngineKind {
     /// The GGUF model (the default).
     Model,
-    /// Deterministic words at a set rate, no model (see `synthetic`).
+    /// Deterministic words at a set rate, no model; for tests and benchmarks.
     Synthetic,
 }
 
