@@ -1,0 +1,123 @@
+//! The process's own certificate, swappable at run time. Servers resolve it
+//! per handshake and the router's worker channels present it per connection,
+//! so a replaced file on disk is used by the next connection while existing
+//! connections keep the certificate they were established with.
+use crate::identity::{Identity, Role};
+use crate::material::{load_certified_key, TlsError, TlsPaths};
+use arc_swap::ArcSwap;
+use rustls::client::ResolvesClientCert;
+use rustls::server::{ClientHello, ResolvesServerCert};
+use rustls::sign::CertifiedKey;
+use rustls::SignatureScheme;
+use std::fmt;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+/// One certificate and key, reloaded from disk when the files change.
+pub struct CertStore {
+    paths: TlsPaths,
+    role: Role,
+    current: ArcSwap<(Arc<CertifiedKey>, Identity)>,
+}
+
+impl fmt::Debug for CertStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CertStore")
+            .field("paths", &self.paths)
+            .field("identity", &self.identity())
+            .finish()
+    }
+}
+
+/// What the watcher compares to notice a replaced file.
+type Stamp = Option<(SystemTime, u64)>;
+
+fn stamp(path: &std::path::Path) -> Stamp {
+    let m = std::fs::metadata(path).ok()?;
+    Some((m.modified().ok()?, m.len()))
+}
+
+impl CertStore {
+    /// Loads the certificate and key; fails (naming the file) if either is
+    /// unusable.
+    pub fn load(paths: TlsPaths, role: Role) -> Result<Arc<Self>, TlsError> {
+        let loaded = load_certified_key(&paths, role)?;
+        Ok(Arc::new(Self {
+            paths,
+            role,
+            current: ArcSwap::from_pointee(loaded),
+        }))
+    }
+
+    /// The identity of the certificate in use.
+    pub fn identity(&self) -> Identity {
+        self.current.load().1.clone()
+    }
+
+    /// The certificate and key in use.
+    pub fn certified_key(&self) -> Arc<CertifiedKey> {
+        self.current.load().0.clone()
+    }
+
+    /// The files this store reads.
+    pub fn paths(&self) -> &TlsPaths {
+        &self.paths
+    }
+
+    /// Loads the files again and puts them in service if they pass every
+    /// check; otherwise the certificate in use stays.
+    pub fn reload(&self) -> Result<Identity, TlsError> {
+        let loaded = load_certified_key(&self.paths, self.role)?;
+        let id = loaded.1.clone();
+        self.current.store(Arc::new(loaded));
+        Ok(id)
+    }
+
+    /// Polls the certificate and key files every `every` and reloads when
+    /// either changed. A replacement that fails the checks is logged and
+    /// refused; it is tried again only when the files change again (a
+    /// certificate written before its key passes on the key's write).
+    pub fn spawn_watcher(self: &Arc<Self>, every: Duration) -> tokio::task::JoinHandle<()> {
+        let store = Arc::downgrade(self);
+        let (cert, key) = (self.paths.cert.clone(), self.paths.key.clone());
+        tokio::spawn(async move {
+            let mut seen = (stamp(&cert), stamp(&key));
+            let mut tick = tokio::time::interval(every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let Some(store) = store.upgrade() else { return };
+                let now = (stamp(&cert), stamp(&key));
+                if now == seen {
+                    continue;
+                }
+                seen = now;
+                match store.reload() {
+                    Ok(id) => {
+                        tracing::info!(identity = %id, cert = %cert.display(), "certificate reloaded")
+                    }
+                    Err(e) => tracing::error!(
+                        error = %e,
+                        "refusing the replaced certificate; keeping the one in use"
+                    ),
+                }
+            }
+        })
+    }
+}
+
+impl ResolvesServerCert for CertStore {
+    fn resolve(&self, _: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        Some(self.certified_key())
+    }
+}
+
+impl ResolvesClientCert for CertStore {
+    fn resolve(&self, _: &[&[u8]], _: &[SignatureScheme]) -> Option<Arc<CertifiedKey>> {
+        Some(self.certified_key())
+    }
+
+    fn has_certs(&self) -> bool {
+        true
+    }
+}
