@@ -18,6 +18,7 @@ use std::future::Future;
 use tokenmesh_proto::keys::Keys;
 use tokenmesh_proto::v1::inference_server::InferenceServer;
 use tokio::net::TcpListener;
+use tokenmesh_tls::{AuthLayer, MeshTls, Role};
 use tokio_stream::wrappers::TcpListenerStream;
 
 /// Why the router could not start or stopped abnormally.
@@ -25,8 +26,8 @@ use tokio_stream::wrappers::TcpListenerStream;
 pub enum RunError {
     #[error("choose a transport: --tls-dir DIR for mutual TLS, or --insecure for plaintext (development only)")]
     NoTransport,
-    #[error("--tls-dir: mutual TLS is not implemented in this build yet; use --insecure")]
-    TlsUnsupported,
+    #[error("--tls-dir: {0}")]
+    Tls(#[from] tokenmesh_tls::TlsError),
     #[error("choose discovery: --etcd URL[,URL...] or --static FILE")]
     NoDiscovery,
     #[error(transparent)]
@@ -43,14 +44,19 @@ pub async fn run(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), RunError> {
-    if cfg.tls_dir.is_some() {
-        return Err(RunError::TlsUnsupported);
-    }
-    if !cfg.insecure {
-        return Err(RunError::NoTransport);
-    }
-    tracing::warn!("serving and dialing plaintext gRPC (--insecure): development only");
-    let registry = Registry::new(cfg.channel());
+    let tls = match &cfg.tls_dir {
+        Some(dir) => {
+            let tls = MeshTls::load(dir, Role::Router)?;
+            tracing::info!(identity = %tls.store.identity(), dir = %dir.display(), "mutual TLS");
+            Some(tls)
+        }
+        None if cfg.insecure => {
+            tracing::warn!("INSECURE: serving and dialing plaintext gRPC with no identities (--insecure); development only");
+            None
+        }
+        None => return Err(RunError::NoTransport),
+    };
+    let registry = Registry::new(cfg.channel(), tls.clone());
     if let Some(path) = &cfg.static_file {
         discovery::static_file::load(path, &registry)?;
     } else if !cfg.etcd.is_empty() {
@@ -84,13 +90,34 @@ pub async fn run(
         .build_v1alpha()
         .expect("the embedded descriptor sets are valid");
     let bound = listener.local_addr().map_err(RunError::Listener)?;
-    println!("tokenmesh-router ready on {bound}");
-    tonic::transport::Server::builder()
+    let routes = tonic::transport::Server::builder()
+        .layer(AuthLayer::new(
+            "router",
+            &[Role::Client, Role::Operator],
+            tls.is_some(),
+        ))
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
-        .add_service(InferenceServer::new(service))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
-        .await?;
+        .add_service(InferenceServer::new(service));
+    match tls {
+        Some(tls) => {
+            let config = tls.server_config()?;
+            let _watcher = tls.watch(cfg.tls_reload());
+            println!("tokenmesh-router ready on {bound} (mTLS)");
+            routes
+                .serve_with_incoming_shutdown(
+                    tokenmesh_tls::server::incoming(listener, config),
+                    shutdown,
+                )
+                .await?;
+        }
+        None => {
+            println!("tokenmesh-router ready on {bound} (plaintext)");
+            routes
+                .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+                .await?;
+        }
+    }
     Ok(())
 }

@@ -60,7 +60,8 @@ impl AuthLayer {
         if !p.admit.contains(&identity.role) {
             let wanted: Vec<&str> = p.admit.iter().map(|r| r.as_str()).collect();
             return Err(Status::permission_denied(format!(
-                "{} {identity} may not call the {}: role {} required",
+                "{} (role {}) may not call the {}: role {} required",
+                identity.uri(),
                 identity.role,
                 p.server,
                 wanted.join(" or ")

@@ -26,6 +26,7 @@ use tokenmesh_proto::records::WorkerRecord;
 use tokenmesh_proto::v1::worker_server::WorkerServer;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
+use tokenmesh_tls::{AuthLayer, MeshTls, Role};
 use tokio_stream::wrappers::TcpListenerStream;
 
 /// Why the worker could not start or stopped abnormally.
@@ -33,8 +34,10 @@ use tokio_stream::wrappers::TcpListenerStream;
 pub enum RunError {
     #[error("choose a transport: --tls-dir DIR for mutual TLS, or --insecure for plaintext (development only)")]
     NoTransport,
-    #[error("--tls-dir: mutual TLS is not implemented in this build yet; use --insecure")]
-    TlsUnsupported,
+    #[error("--tls-dir: {0}")]
+    Tls(#[from] tokenmesh_tls::TlsError),
+    #[error("--worker-id {flag} differs from the name in the worker certificate ({cert}); routers would refuse this worker")]
+    IdMismatch { flag: String, cert: String },
     #[error("--device {0}: only `cpu` is supported by this build")]
     Device(String),
     #[error(transparent)]
@@ -57,13 +60,27 @@ pub async fn run(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), RunError> {
-    if cfg.tls_dir.is_some() {
-        return Err(RunError::TlsUnsupported);
-    }
-    if !cfg.insecure {
-        return Err(RunError::NoTransport);
-    }
-    tracing::warn!("serving plaintext gRPC (--insecure): development only");
+    // Certificates are checked before the model loads, so a bad file fails
+    // fast with its name in the error.
+    let tls = match &cfg.tls_dir {
+        Some(dir) => {
+            let tls = MeshTls::load(dir, Role::Worker)?;
+            let name = tls.store.identity().name;
+            if let Some(flag) = cfg.worker_id.as_ref().filter(|f| **f != name) {
+                return Err(RunError::IdMismatch {
+                    flag: flag.clone(),
+                    cert: name,
+                });
+            }
+            tracing::info!(identity = %tls.store.identity(), dir = %dir.display(), "mutual TLS");
+            Some(tls)
+        }
+        None if cfg.insecure => {
+            tracing::warn!("INSECURE: serving plaintext gRPC with no identities (--insecure); development only");
+            None
+        }
+        None => return Err(RunError::NoTransport),
+    };
     let device = match cfg.device.as_str() {
         "cpu" => Device::Cpu,
         other => return Err(RunError::Device(other.to_string())),
@@ -95,9 +112,13 @@ pub async fn run(
     );
 
     let identity = WorkerIdentity {
-        worker_id: cfg.worker_id.clone().unwrap_or_else(|| {
-            format!("worker-{}", &uuid::Uuid::new_v4().simple().to_string()[..8])
-        }),
+        worker_id: cfg
+            .worker_id
+            .clone()
+            .or_else(|| tls.as_ref().map(|t| t.store.identity().name))
+            .unwrap_or_else(|| {
+                format!("worker-{}", &uuid::Uuid::new_v4().simple().to_string()[..8])
+            }),
         model_name,
         version: cfg.model_version.clone(),
         accelerator: "cpu".into(),
@@ -187,15 +208,32 @@ pub async fn run(
         "tokenmesh-worker ready: {} serving {} {} on {bound}",
         identity.worker_id, identity.model_name, identity.version
     );
-    tonic::transport::Server::builder()
+    let routes = tonic::transport::Server::builder()
+        .layer(AuthLayer::new("worker", &[Role::Router], tls.is_some()))
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
-        .add_service(WorkerServer::new(service))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
-            let _ = stop_rx.await;
-        })
-        .await?;
+        .add_service(WorkerServer::new(service));
+    let stopped = async {
+        let _ = stop_rx.await;
+    };
+    match tls {
+        Some(tls) => {
+            let config = tls.server_config()?;
+            let _watcher = tls.watch(Duration::from_millis(cfg.tls_reload_ms.max(10)));
+            routes
+                .serve_with_incoming_shutdown(
+                    tokenmesh_tls::server::incoming(listener, config),
+                    stopped,
+                )
+                .await?
+        }
+        None => {
+            routes
+                .serve_with_incoming_shutdown(TcpListenerStream::new(listener), stopped)
+                .await?
+        }
+    }
     drainer.abort();
     tracing::info!("worker stopped");
     Ok(())
