@@ -11,7 +11,85 @@ use tokenmesh_proto::v1::{
     generate_response::Event, Accepted, ChatMessage, Finished, GenerateRequest, ListModelsRequest,
     StatusRequest,
 };
-use tonic::transport::Channel;
+use tokenmesh_certs::{Ca, Identity, LeafSpec, Role};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity as TlsIdentity};
+
+/// A test CA in a temporary directory that issues `--tls-dir` directories.
+pub struct Pki {
+    pub dir: tempfile::TempDir,
+    pub ca: Ca,
+}
+
+impl Pki {
+    /// A fresh CA.
+    pub fn new() -> Result<Self> {
+        let dir = tempfile::tempdir()?;
+        let ca = Ca::load_or_create(dir.path())?;
+        Ok(Self { dir, ca })
+    }
+
+    /// A directory `{role}-{name}` holding ca.pem, {role}.pem and {role}.key
+    /// for `spiffe://tokenmesh/{role}/{name}`, valid for a day.
+    pub fn issue(&self, role: Role, name: &str) -> Result<PathBuf> {
+        self.issue_spec(LeafSpec::new(Identity::new(role, name)?, 1))
+    }
+
+    /// Like [`Pki::issue`] with a custom spec (validity, SANs).
+    pub fn issue_spec(&self, spec: LeafSpec) -> Result<PathBuf> {
+        let role = spec.identity.role;
+        let dir = self
+            .dir
+            .path()
+            .join(format!("{role}-{}", spec.identity.name));
+        tokenmesh_certs::write_leaf(&dir, role.as_str(), &self.ca.issue(&spec)?, &self.ca)?;
+        Ok(dir)
+    }
+
+    /// Client credentials from a directory this CA issued.
+    pub fn creds(&self, role: Role, name: &str) -> Result<Creds> {
+        Ok(Creds::new(self.issue(role, name)?, role))
+    }
+}
+
+/// What a test client presents: a `--tls-dir`-style directory and the role
+/// whose certificate in it to use.
+#[derive(Clone, Debug)]
+pub struct Creds {
+    pub dir: PathBuf,
+    pub role: Role,
+}
+
+impl Creds {
+    /// Credentials in `dir` for `role`.
+    pub fn new(dir: PathBuf, role: Role) -> Self {
+        Self { dir, role }
+    }
+
+    /// tonic's client TLS config: trusts ca.pem, presents {role}.pem.
+    pub fn tls_config(&self) -> Result<ClientTlsConfig> {
+        let read = |name: String| std::fs::read(self.dir.join(name));
+        Ok(ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(read("ca.pem".into())?))
+            .identity(TlsIdentity::from_pem(
+                read(format!("{}.pem", self.role))?,
+                read(format!("{}.key", self.role))?,
+            )))
+    }
+}
+
+/// A channel to `addr` (`http://host:port`): mutual TLS with `creds`, or
+/// plaintext without.
+pub async fn channel(addr: &str, creds: Option<&Creds>) -> Result<Channel> {
+    Ok(match creds {
+        Some(c) => {
+            Channel::from_shared(addr.replacen("http://", "https://", 1))?
+                .tls_config(c.tls_config()?)?
+                .connect()
+                .await?
+        }
+        None => Channel::from_shared(addr.to_string())?.connect().await?,
+    })
+}
 
 /// Where the release binaries are: `TOKENMESH_BIN_DIR`, else the profile
 /// directory this test binary was built into (target/<profile>/deps/..).
@@ -210,6 +288,8 @@ pub struct WorkerProc {
     pub id: String,
     pub addr: String,
     pub proc: Proc,
+    /// What the harness's own clients present (mTLS workers only).
+    pub creds: Option<Creds>,
 }
 
 /// Options for a worker.
@@ -219,6 +299,9 @@ pub struct WorkerOpts {
     pub version: String,
     pub etcd: Option<String>,
     pub extra: Vec<String>,
+    /// Serve mutual TLS from this `--tls-dir` instead of `--insecure`; the
+    /// harness then probes with `probe` (a router certificate).
+    pub tls: Option<(PathBuf, Creds)>,
 }
 
 impl WorkerOpts {
@@ -229,6 +312,7 @@ impl WorkerOpts {
             version: "v1".into(),
             etcd: None,
             extra: vec![],
+            tls: None,
         }
     }
 }
@@ -237,10 +321,10 @@ impl WorkerProc {
     /// Starts a worker with the real model and waits until it serves.
     pub async fn start(opts: WorkerOpts, dir: &Path) -> Result<Self> {
         let port = free_port();
-        let mut args: Vec<String> = vec![
+        let mut args: Vec<String> = transport_args(opts.tls.as_ref().map(|t| t.0.as_path()));
+        args.extend([
             "--listen".into(),
             format!("127.0.0.1:{port}"),
-            "--insecure".into(),
             "--model".into(),
             model_path().display().to_string(),
             "--model-version".into(),
@@ -249,17 +333,18 @@ impl WorkerProc {
             opts.id.clone(),
             "--threads".into(),
             "1".into(),
-        ];
+        ]);
         if let Some(e) = &opts.etcd {
             args.extend(["--etcd".into(), e.clone()]);
         }
         args.extend(opts.extra.iter().cloned());
         let mut proc = Proc::spawn(&opts.id, &bin("tokenmesh-worker"), &args, dir)?;
         let addr = format!("http://127.0.0.1:{port}");
+        let creds = opts.tls.as_ref().map(|t| t.1.clone());
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
-            if let Ok(mut c) = WorkerClient::connect(addr.clone()).await {
-                if c.status(StatusRequest {}).await.is_ok() {
+            if let Ok(ch) = channel(&addr, creds.as_ref()).await {
+                if WorkerClient::new(ch).status(StatusRequest {}).await.is_ok() {
                     break;
                 }
             }
@@ -272,14 +357,25 @@ impl WorkerProc {
             id: opts.id,
             addr,
             proc,
+            creds,
         })
     }
 
     /// A Worker client.
     pub async fn client(&self) -> WorkerClient<Channel> {
-        WorkerClient::connect(self.addr.clone())
-            .await
-            .expect("connecting to a worker")
+        WorkerClient::new(
+            channel(&self.addr, self.creds.as_ref())
+                .await
+                .expect("connecting to a worker"),
+        )
+    }
+}
+
+/// `--tls-dir DIR`, or `--insecure` without one.
+fn transport_args(tls_dir: Option<&Path>) -> Vec<String> {
+    match tls_dir {
+        Some(d) => vec!["--tls-dir".into(), d.display().to_string()],
+        None => vec!["--insecure".into()],
     }
 }
 
@@ -287,26 +383,43 @@ impl WorkerProc {
 pub struct RouterProc {
     pub addr: String,
     pub proc: Proc,
+    /// What the harness's own clients present (mTLS routers only).
+    pub creds: Option<Creds>,
 }
 
 impl RouterProc {
-    /// Starts a router with the given discovery arguments and waits until it serves.
+    /// Starts a plaintext router with the given discovery arguments and waits until it serves.
     pub async fn start(discovery: &[String], dir: &Path) -> Result<Self> {
+        Self::start_tls(discovery, None, dir).await
+    }
+
+    /// Starts a router; with `tls` = (its `--tls-dir`, the client
+    /// credentials the harness probes with) it serves mutual TLS.
+    pub async fn start_tls(
+        discovery: &[String],
+        tls: Option<(PathBuf, Creds)>,
+        dir: &Path,
+    ) -> Result<Self> {
         let port = free_port();
-        let mut args: Vec<String> = vec![
+        let mut args: Vec<String> = transport_args(tls.as_ref().map(|t| t.0.as_path()));
+        args.extend([
             "--listen".into(),
             format!("127.0.0.1:{port}"),
-            "--insecure".into(),
             "--status-interval-ms".into(),
             "200".into(),
-        ];
+        ]);
         args.extend(discovery.iter().cloned());
         let mut proc = Proc::spawn("router", &bin("tokenmesh-router"), &args, dir)?;
         let addr = format!("http://127.0.0.1:{port}");
+        let creds = tls.map(|t| t.1);
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            if let Ok(mut c) = InferenceClient::connect(addr.clone()).await {
-                if c.list_models(ListModelsRequest {}).await.is_ok() {
+            if let Ok(ch) = channel(&addr, creds.as_ref()).await {
+                if InferenceClient::new(ch)
+                    .list_models(ListModelsRequest {})
+                    .await
+                    .is_ok()
+                {
                     break;
                 }
             }
@@ -315,14 +428,16 @@ impl RouterProc {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        Ok(Self { addr, proc })
+        Ok(Self { addr, proc, creds })
     }
 
     /// An Inference client.
     pub async fn client(&self) -> InferenceClient<Channel> {
-        InferenceClient::connect(self.addr.clone())
-            .await
-            .expect("connecting to the router")
+        InferenceClient::new(
+            channel(&self.addr, self.creds.as_ref())
+                .await
+                .expect("connecting to the router"),
+        )
     }
 
     /// Waits until the router sees exactly `want` ready workers of `model`.
