@@ -19,7 +19,7 @@ use tokenmesh_proto::keys::Keys;
 use tokenmesh_proto::v1::inference_server::InferenceServer;
 use tokio::net::TcpListener;
 use tokenmesh_tls::{AuthLayer, MeshTls, Role};
-use tokio_stream::wrappers::TcpListenerStream;
+use tonic::transport::server::TcpIncoming;
 
 /// Why the router could not start or stopped abnormally.
 #[derive(Debug, thiserror::Error)]
@@ -115,7 +115,11 @@ pub async fn run(
         None => {
             println!("tokenmesh-router ready on {bound} (plaintext)");
             routes
-                .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+                .serve_with_incoming_shutdown(
+                    // Without TCP_NODELAY small HTTP/2 frames wait on Nagle.
+                    TcpIncoming::from(listener).with_nodelay(Some(true)),
+                    shutdown,
+                )
                 .await?;
         }
     }

@@ -27,7 +27,7 @@ use tokenmesh_proto::v1::worker_server::WorkerServer;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokenmesh_tls::{AuthLayer, MeshTls, Role};
-use tokio_stream::wrappers::TcpListenerStream;
+use tonic::transport::server::TcpIncoming;
 
 /// Why the worker could not start or stopped abnormally.
 #[derive(Debug, thiserror::Error)]
@@ -230,7 +230,11 @@ pub async fn run(
         }
         None => {
             routes
-                .serve_with_incoming_shutdown(TcpListenerStream::new(listener), stopped)
+                .serve_with_incoming_shutdown(
+                    // Without TCP_NODELAY small HTTP/2 frames wait on Nagle.
+                    TcpIncoming::from(listener).with_nodelay(Some(true)),
+                    stopped,
+                )
                 .await?
         }
     }
