@@ -161,13 +161,13 @@ impl Ca {
         params
             .distinguished_name
             .push(DnType::OrganizationName, "tokenmesh");
-        params.subject_alt_names.push(SanType::URI(
-            spec.identity.uri().try_into().map_err(rcgen::Error::from)?,
-        ));
+        params
+            .subject_alt_names
+            .push(SanType::URI(spec.identity.uri().try_into()?));
         for dns in &spec.dns {
-            params.subject_alt_names.push(SanType::DnsName(
-                dns.clone().try_into().map_err(rcgen::Error::from)?,
-            ));
+            params
+                .subject_alt_names
+                .push(SanType::DnsName(dns.clone().try_into()?));
         }
         for ip in &spec.ips {
             params.subject_alt_names.push(SanType::IpAddress(*ip));
@@ -336,15 +336,22 @@ pub fn renew(ca: &Ca, dir: &Path, stem: &str, days: i64) -> Result<Identity, Cer
     Ok(identity)
 }
 
+/// True unless `path` holds a certificate valid for at least another day.
+fn needs_issuing(path: &Path) -> bool {
+    describe(path).map_or(true, |c| {
+        c.not_after < OffsetDateTime::now_utc() + Duration::days(1)
+    })
+}
+
 /// Development certificates for a local mesh, created on first use in `dir`:
 /// the CA, one certificate for each role but `worker` in `dir` itself, and
 /// for each worker id a directory `dir/workers/{id}` holding `ca.pem`,
-/// `worker.pem`, `worker.key`. Existing files are kept, so a running mesh's
-/// clients keep working across restarts.
+/// `worker.pem`, `worker.key`. Valid existing files are kept, so clients keep
+/// working across restarts; missing or (nearly) expired ones are issued anew.
 pub fn ensure_dev_bundle(dir: &Path, worker_ids: &[String]) -> Result<(), CertsError> {
     let ca = Ca::load_or_create(dir)?;
     for role in Role::ALL.into_iter().filter(|r| *r != Role::Worker) {
-        if !dir.join(format!("{role}.pem")).exists() {
+        if needs_issuing(&dir.join(format!("{role}.pem"))) {
             let id = Identity::new(role, role.as_str())?;
             write_leaf(
                 dir,
@@ -356,7 +363,7 @@ pub fn ensure_dev_bundle(dir: &Path, worker_ids: &[String]) -> Result<(), CertsE
     }
     for w in worker_ids {
         let wdir = worker_dir(dir, w);
-        if !wdir.join("worker.pem").exists() {
+        if needs_issuing(&wdir.join("worker.pem")) {
             let id = Identity::new(Role::Worker, w.clone())?;
             write_leaf(
                 &wdir,

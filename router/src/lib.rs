@@ -17,8 +17,8 @@ use server::{InferenceService, RoutingSettings};
 use std::future::Future;
 use tokenmesh_proto::keys::Keys;
 use tokenmesh_proto::v1::inference_server::InferenceServer;
-use tokio::net::TcpListener;
 use tokenmesh_tls::{AuthLayer, MeshTls, Role};
+use tokio::net::TcpListener;
 use tonic::transport::server::TcpIncoming;
 
 /// Why the router could not start or stopped abnormally.

@@ -155,11 +155,11 @@ mod tests {
     fn registry(ready: &[(&str, bool)], policy: Option<PolicyRecord>) -> std::sync::Arc<Registry> {
         let reg = Registry::new(
             ChannelSettings {
-            keepalive_interval: Duration::from_secs(30),
-            keepalive_timeout: Duration::from_secs(10),
-            connect_timeout: Duration::from_secs(1),
-            // Long enough that the poller never overrides the flags set here.
-            status_interval: Duration::from_secs(3600),
+                keepalive_interval: Duration::from_secs(30),
+                keepalive_timeout: Duration::from_secs(10),
+                connect_timeout: Duration::from_secs(1),
+                // Long enough that the poller never overrides the flags set here.
+                status_interval: Duration::from_secs(3600),
             },
             None,
         );

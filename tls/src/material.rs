@@ -39,6 +39,12 @@ pub enum TlsError {
         not_before: String,
         not_after: String,
     },
+    #[error("{path} names {now}, but this process runs as {was}; a new identity needs a restart")]
+    IdentityChanged {
+        path: PathBuf,
+        was: Identity,
+        now: Identity,
+    },
     #[error("TLS configuration: {0}")]
     Rustls(#[from] rustls::Error),
     #[error("TLS client verifier: {0}")]
@@ -147,16 +153,15 @@ pub fn load_certified_key(
             reason: format!("unusable private key: {e}"),
         })?;
     let certified = CertifiedKey::new(chain, signing_key);
-    match certified.keys_match() {
-        Err(rustls::Error::InconsistentKeys(rustls::InconsistentKeys::KeyMismatch)) => {
-            return Err(TlsError::KeyMismatch {
-                cert: paths.cert.clone(),
-                key: paths.key.clone(),
-            })
-        }
-        // `Unknown` means the key type cannot report its public key; the
-        // handshake itself will then fail loudly.
-        _ => {}
+    // `InconsistentKeys::Unknown` (a key type that cannot report its public
+    // key) passes here; the handshake itself would then fail loudly.
+    if let Err(rustls::Error::InconsistentKeys(rustls::InconsistentKeys::KeyMismatch)) =
+        certified.keys_match()
+    {
+        return Err(TlsError::KeyMismatch {
+            cert: paths.cert.clone(),
+            key: paths.key.clone(),
+        });
     }
     let leaf = certified.end_entity_cert()?;
     check_validity(&paths.cert, leaf)?;

@@ -65,10 +65,20 @@ impl CertStore {
     }
 
     /// Loads the files again and puts them in service if they pass every
-    /// check; otherwise the certificate in use stays.
+    /// check and name the same identity (peers check it: a worker whose name
+    /// changed under it would be refused as an impostor); otherwise the
+    /// certificate in use stays.
     pub fn reload(&self) -> Result<Identity, TlsError> {
         let loaded = load_certified_key(&self.paths, self.role)?;
         let id = loaded.1.clone();
+        let was = self.identity();
+        if id != was {
+            return Err(TlsError::IdentityChanged {
+                path: self.paths.cert.clone(),
+                was,
+                now: id,
+            });
+        }
         self.current.store(Arc::new(loaded));
         Ok(id)
     }
@@ -119,5 +129,56 @@ impl ResolvesClientCert for CertStore {
 
     fn has_certs(&self) -> bool {
         true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    // tokenmesh-certs depends on this crate, so its `Role`/`Identity` are
+    // another instance's types: only files cross over.
+    use tokenmesh_certs as certs;
+
+    fn issue(ca: &certs::Ca, dir: &std::path::Path, role: certs::Role, name: &str) {
+        let spec = certs::LeafSpec::new(certs::Identity::new(role, name).unwrap(), 1);
+        certs::write_leaf(dir, role.as_str(), &ca.issue(&spec).unwrap(), ca).unwrap();
+    }
+
+    #[test]
+    fn reload_takes_valid_replacements_and_refuses_others() {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = certs::Ca::load_or_create(dir.path()).unwrap();
+        issue(&ca, dir.path(), certs::Role::Router, "r1");
+        let store =
+            CertStore::load(TlsPaths::in_dir(dir.path(), Role::Router), Role::Router).unwrap();
+        let first = store.certified_key().end_entity_cert().unwrap().to_vec();
+
+        // Same identity, new certificate: taken.
+        issue(&ca, dir.path(), certs::Role::Router, "r1");
+        store.reload().unwrap();
+        let second = store.certified_key().end_entity_cert().unwrap().to_vec();
+        assert_ne!(first, second);
+
+        // Another identity: refused, the second certificate stays.
+        issue(&ca, dir.path(), certs::Role::Router, "r2");
+        let err = store.reload().unwrap_err();
+        assert!(matches!(err, TlsError::IdentityChanged { .. }), "{err}");
+        // Garbage: refused, naming the file.
+        std::fs::write(&store.paths().cert, "not a certificate").unwrap();
+        let err = store.reload().unwrap_err();
+        assert!(err.to_string().contains("router.pem"), "{err}");
+        // A key that belongs to another certificate: refused.
+        issue(&ca, dir.path(), certs::Role::Router, "r1");
+        let other_key = dir.path().join("other.key");
+        std::fs::copy(&store.paths().key, &other_key).unwrap();
+        issue(&ca, dir.path(), certs::Role::Router, "r1");
+        std::fs::copy(&other_key, &store.paths().key).unwrap();
+        let err = store.reload().unwrap_err();
+        assert!(matches!(err, TlsError::KeyMismatch { .. }), "{err}");
+        assert_eq!(
+            store.certified_key().end_entity_cert().unwrap().to_vec(),
+            second
+        );
+        assert_eq!(store.identity().name, "r1");
     }
 }

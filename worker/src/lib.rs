@@ -24,9 +24,9 @@ use std::time::{Duration, Instant};
 use tokenmesh_proto::keys::Keys;
 use tokenmesh_proto::records::WorkerRecord;
 use tokenmesh_proto::v1::worker_server::WorkerServer;
+use tokenmesh_tls::{AuthLayer, MeshTls, Role};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
-use tokenmesh_tls::{AuthLayer, MeshTls, Role};
 use tonic::transport::server::TcpIncoming;
 
 /// Why the worker could not start or stopped abnormally.

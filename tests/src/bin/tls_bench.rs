@@ -60,9 +60,12 @@ async fn mesh(pki: Option<&Pki>) -> anyhow::Result<Mesh> {
         )),
         None => None,
     };
-    let router =
-        RouterProc::start_tls(&["--static".into(), file.display().to_string()], tls, dir.path())
-            .await?;
+    let router = RouterProc::start_tls(
+        &["--static".into(), file.display().to_string()],
+        tls,
+        dir.path(),
+    )
+    .await?;
     router
         .wait_ready_workers(MODEL, 1, Duration::from_secs(30))
         .await?;
@@ -123,7 +126,10 @@ async fn ttft(
 fn median_p90(mut v: Vec<Duration>) -> (f64, f64) {
     v.sort();
     let ms = |d: Duration| d.as_secs_f64() * 1000.0;
-    (ms(v[v.len() / 2]), ms(v[(v.len() * 9 / 10).min(v.len() - 1)]))
+    (
+        ms(v[v.len() / 2]),
+        ms(v[(v.len() * 9 / 10).min(v.len() - 1)]),
+    )
 }
 
 struct Row {
@@ -136,7 +142,9 @@ struct Row {
 }
 
 async fn measure(mode: &'static str, pki: Option<&Pki>, args: &Args) -> anyhow::Result<Row> {
-    let m = mesh(pki).await.with_context(|| format!("starting the {mode} mesh"))?;
+    let m = mesh(pki)
+        .await
+        .with_context(|| format!("starting the {mode} mesh"))?;
     let (addr, creds) = (&m.router.addr, m.router.creds.as_ref());
     // Warm up the router's worker channel and the model.
     let mut reused = m.router.client().await;

@@ -173,7 +173,7 @@ mod tests {
             ..params(5.0)
         });
         for _ in 0..20 {
-            assert_eq!(s.sample(&mut vec![0.1, 0.3, 0.2], &[]).token, 1);
+            assert_eq!(s.sample(&mut [0.1, 0.3, 0.2], &[]).token, 1);
         }
     }
 
@@ -184,7 +184,7 @@ mod tests {
             ..params(1.0)
         });
         for _ in 0..20 {
-            assert_eq!(s.sample(&mut vec![0.0, 3.0, 1.0], &[]).token, 1);
+            assert_eq!(s.sample(&mut [0.0, 3.0, 1.0], &[]).token, 1);
         }
     }
 
@@ -195,6 +195,6 @@ mod tests {
             ..params(0.0)
         });
         // token 0 wins without the penalty; with it, 2.0 / 2 < 1.5.
-        assert_eq!(s.sample(&mut vec![2.0, 1.5], &[0]).token, 1);
+        assert_eq!(s.sample(&mut [2.0, 1.5], &[0]).token, 1);
     }
 }

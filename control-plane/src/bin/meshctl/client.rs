@@ -1,12 +1,12 @@
 //! A small Inference client for `meshctl generate` and `meshctl models`.
+use anyhow::Context;
 use std::io::Write;
+use std::path::PathBuf;
 use tokenmesh_proto::v1::inference_client::InferenceClient;
 use tokenmesh_proto::v1::{
     generate_response::Event, ChatMessage, FinishReason, GenerateRequest, ListModelsRequest,
     ListModelsResponse,
 };
-use anyhow::Context;
-use std::path::PathBuf;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
 
 /// How meshctl reaches the router.
