@@ -64,6 +64,9 @@ pub async fn run(
             cfg.etcd.clone(),
             Keys::new(&cfg.etcd_prefix),
             registry.clone(),
+            tls.as_ref()
+                .filter(|_| tokenmesh_tls::etcd::wants_tls(&cfg.etcd))
+                .map(|t| t.store.paths().clone()),
         ));
     } else {
         return Err(RunError::NoDiscovery);

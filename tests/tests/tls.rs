@@ -319,6 +319,54 @@ async fn impostor_registered_under_another_id_is_refused() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn etcd_with_client_certificate_auth() {
+    let dir = tmp();
+    let pki = Pki::new().unwrap();
+    let etcd = Etcd::start_tls(&pki).await.unwrap();
+    // Without a client certificate etcd answers nothing.
+    let anonymous = async {
+        let mut c = etcd_client::Client::connect(
+            [etcd.url.as_str()],
+            Some(etcd_client::ConnectOptions::new().with_tls(
+                tonic::transport::ClientTlsConfig::new().ca_certificate(
+                    tonic::transport::Certificate::from_pem(
+                        std::fs::read(pki.dir.path().join("ca.pem")).unwrap(),
+                    ),
+                ),
+            )),
+        )
+        .await?;
+        c.get("probe", None).await
+    };
+    assert!(tokio::time::timeout(Duration::from_secs(10), anonymous)
+        .await
+        .map(|r| r.is_err())
+        .unwrap_or(true));
+    // The worker registers and the router discovers with their own mesh
+    // certificates.
+    let w = tls_worker(&pki, "w-etcd", Some(etcd.url.clone()), dir.path()).await;
+    let router = RouterProc::start_tls(
+        &["--etcd".into(), etcd.url.clone()],
+        Some((
+            pki.issue(Role::Router, "router").unwrap(),
+            pki.creds(Role::Client, "c").unwrap(),
+        )),
+        dir.path(),
+    )
+    .await
+    .unwrap();
+    let ready = router
+        .wait_ready_workers(MODEL, 1, Duration::from_secs(20))
+        .await
+        .unwrap();
+    assert_eq!(ready, vec![w.id.clone()]);
+    let out = collect(&mut router.client().await, france_request(4))
+        .await
+        .unwrap();
+    assert_eq!(out.finished.unwrap().worker_id, "w-etcd");
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn corrupt_key_at_startup_fails_naming_the_file() {
     let dir = tmp();
     let pki = Pki::new().unwrap();

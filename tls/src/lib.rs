@@ -7,6 +7,7 @@
 
 pub mod authz;
 pub mod connector;
+pub mod etcd;
 pub mod identity;
 pub mod material;
 pub mod reload;

@@ -176,6 +176,10 @@ pub async fn run(
             key: keys.worker(&identity.model_name, &identity.version, &identity.worker_id),
             value: serde_json::to_string(&record).expect("a WorkerRecord serializes"),
             ttl: cfg.lease_ttl(),
+            tls: tls
+                .as_ref()
+                .filter(|_| tokenmesh_tls::etcd::wants_tls(&cfg.etcd))
+                .map(|t| t.store.paths().clone()),
         };
         Some(tokio::spawn(registration::run(reg, deregister_rx)))
     };
