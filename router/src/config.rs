@@ -29,13 +29,21 @@ pub struct RouterConfig {
     #[arg(long = "static", env = "TOKENMESH_STATIC", value_name = "FILE")]
     pub static_file: Option<PathBuf>,
 
-    /// Serve and dial plaintext gRPC (development only). Required until mTLS lands.
-    #[arg(long, env = "TOKENMESH_INSECURE")]
+    /// Serve and dial plaintext gRPC, with no identities (development only).
+    /// Required when no --tls-dir is given.
+    #[arg(long, env = "TOKENMESH_INSECURE", conflicts_with = "tls_dir")]
     pub insecure: bool,
 
-    /// Directory with ca.pem, router.pem and router.key for mutual TLS.
+    /// Directory with ca.pem, router.pem and router.key (as tokenmesh-certs
+    /// writes them) for mutual TLS: clients need a client or operator
+    /// certificate, workers must present their worker_id's certificate.
     #[arg(long, env = "TOKENMESH_TLS_DIR")]
     pub tls_dir: Option<PathBuf>,
+
+    /// How often router.pem and router.key are checked for replacement, in
+    /// milliseconds; a valid replacement serves new connections at once.
+    #[arg(long, env = "TOKENMESH_TLS_RELOAD_MS", default_value_t = 2_000)]
+    pub tls_reload_ms: u64,
 
     /// HTTP/2 keepalive ping interval to workers, in milliseconds.
     #[arg(
@@ -119,6 +127,11 @@ impl RouterConfig {
             max_queued: self.max_queued,
             max_queue_wait: Duration::from_millis(self.max_queue_wait_ms),
         }
+    }
+
+    /// How often the certificate files are polled.
+    pub fn tls_reload(&self) -> Duration {
+        Duration::from_millis(self.tls_reload_ms.max(10))
     }
 
     /// Channel settings for worker connections.

@@ -17,6 +17,7 @@ use registry::Registry;
 use server::{InferenceService, RoutingSettings};
 use std::future::Future;
 use std::time::Duration;
+use tokenmesh_certs::tls::{AuthLayer, MeshTls, Role};
 use tokenmesh_proto::keys::Keys;
 use tokenmesh_proto::v1::inference_server::InferenceServer;
 use tokio::net::TcpListener;
@@ -27,8 +28,8 @@ use tonic::transport::server::TcpIncoming;
 pub enum RunError {
     #[error("choose a transport: --tls-dir DIR for mutual TLS, or --insecure for plaintext (development only)")]
     NoTransport,
-    #[error("--tls-dir: mutual TLS is not implemented in this build yet; use --insecure")]
-    TlsUnsupported,
+    #[error("--tls-dir: {0}")]
+    Tls(#[from] tokenmesh_certs::tls::TlsError),
     #[error("choose discovery: --etcd URL[,URL...] or --static FILE")]
     NoDiscovery,
     #[error(transparent)]
@@ -45,14 +46,19 @@ pub async fn run(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), RunError> {
-    if cfg.tls_dir.is_some() {
-        return Err(RunError::TlsUnsupported);
-    }
-    if !cfg.insecure {
-        return Err(RunError::NoTransport);
-    }
-    tracing::warn!("serving and dialing plaintext gRPC (--insecure): development only");
-    let registry = Registry::new(cfg.channel());
+    let tls = match &cfg.tls_dir {
+        Some(dir) => {
+            let tls = MeshTls::load(dir, Role::Router)?;
+            tracing::info!(identity = %tls.store.identity(), dir = %dir.display(), "mutual TLS");
+            Some(tls)
+        }
+        None if cfg.insecure => {
+            tracing::warn!("INSECURE: serving and dialing plaintext gRPC with no identities (--insecure); development only");
+            None
+        }
+        None => return Err(RunError::NoTransport),
+    };
+    let registry = Registry::new(cfg.channel(), tls.clone());
     if let Some(path) = &cfg.static_file {
         discovery::static_file::load(path, &registry)?;
     } else if !cfg.etcd.is_empty() {
@@ -60,6 +66,9 @@ pub async fn run(
             cfg.etcd.clone(),
             Keys::new(&cfg.etcd_prefix),
             registry.clone(),
+            tls.as_ref()
+                .filter(|_| tokenmesh_certs::tls::etcd::wants_tls(&cfg.etcd))
+                .map(|t| t.store.paths().clone()),
         ));
     } else {
         return Err(RunError::NoDiscovery);
@@ -87,7 +96,6 @@ pub async fn run(
         .build_v1alpha()
         .expect("the embedded descriptor sets are valid");
     let bound = listener.local_addr().map_err(RunError::Listener)?;
-    println!("tokenmesh-router ready on {bound}");
     let keepalive = Duration::from_millis(cfg.server_keepalive_interval_ms);
     let mut server = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(keepalive))
@@ -97,17 +105,38 @@ pub async fn run(
             .max_connection_age(Duration::from_secs(cfg.max_connection_age_s))
             .max_connection_age_grace(Duration::from_secs(cfg.max_connection_age_grace_s));
     }
-    server
+    let routes = server
+        .layer(AuthLayer::new(
+            "router",
+            &[Role::Client, Role::Operator],
+            tls.is_some(),
+        ))
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
-        .add_service(InferenceServer::new(service))
-        // Streams are many small messages: without TCP_NODELAY, Nagle's
-        // algorithm and delayed ACKs hold a token back by up to 40 ms.
-        .serve_with_incoming_shutdown(
-            TcpIncoming::from(listener).with_nodelay(Some(true)),
-            shutdown,
-        )
-        .await?;
+        .add_service(InferenceServer::new(service));
+    match tls {
+        Some(tls) => {
+            let config = tls.server_config()?;
+            let _watcher = tls.watch(cfg.tls_reload());
+            println!("tokenmesh-router ready on {bound} (mTLS)");
+            routes
+                .serve_with_incoming_shutdown(
+                    tokenmesh_certs::tls::server::incoming(listener, config),
+                    shutdown,
+                )
+                .await?;
+        }
+        None => {
+            println!("tokenmesh-router ready on {bound} (plaintext)");
+            routes
+                .serve_with_incoming_shutdown(
+                    // Without TCP_NODELAY small HTTP/2 frames wait on Nagle.
+                    TcpIncoming::from(listener).with_nodelay(Some(true)),
+                    shutdown,
+                )
+                .await?;
+        }
+    }
     Ok(())
 }

@@ -153,13 +153,16 @@ mod tests {
 
     /// A registry with one worker per version; `ready` says which answer.
     fn registry(ready: &[(&str, bool)], policy: Option<PolicyRecord>) -> std::sync::Arc<Registry> {
-        let reg = Registry::new(ChannelSettings {
-            keepalive_interval: Duration::from_secs(30),
-            keepalive_timeout: Duration::from_secs(10),
-            connect_timeout: Duration::from_secs(1),
-            // Long enough that the poller never overrides the flags set here.
-            status_interval: Duration::from_secs(3600),
-        });
+        let reg = Registry::new(
+            ChannelSettings {
+                keepalive_interval: Duration::from_secs(30),
+                keepalive_timeout: Duration::from_secs(10),
+                connect_timeout: Duration::from_secs(1),
+                // Long enough that the poller never overrides the flags set here.
+                status_interval: Duration::from_secs(3600),
+            },
+            None,
+        );
         for (v, _) in ready {
             let record = WorkerRecord {
                 addr: "http://127.0.0.1:9".into(),

@@ -5,6 +5,7 @@ use crate::config::ChannelSettings;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, RwLock};
+use tokenmesh_certs::tls::{Identity, MeshTls, Role};
 use tokenmesh_proto::records::{PolicyRecord, WorkerRecord};
 use tokenmesh_proto::v1::worker_client::WorkerClient;
 use tokenmesh_proto::v1::StatusRequest;
@@ -90,6 +91,8 @@ pub struct ModelEntry {
 /// The shared routing state.
 pub struct Registry {
     settings: ChannelSettings,
+    /// Mutual TLS towards workers; `None` dials plaintext (`--insecure`).
+    tls: Option<MeshTls>,
     workers: RwLock<HashMap<String, Arc<Endpoint>>>,
     policies: RwLock<HashMap<String, PolicyRecord>>,
 }
@@ -105,9 +108,10 @@ pub struct BadAddress {
 
 impl Registry {
     /// An empty registry whose channels use `settings`.
-    pub fn new(settings: ChannelSettings) -> Arc<Self> {
+    pub fn new(settings: ChannelSettings, tls: Option<MeshTls>) -> Arc<Self> {
         Arc::new(Self {
             settings,
+            tls,
             workers: RwLock::new(HashMap::new()),
             policies: RwLock::new(HashMap::new()),
         })
@@ -132,14 +136,24 @@ impl Registry {
             reason,
         };
         let s = &self.settings;
-        let channel = TonicEndpoint::from_shared(record.addr.clone())
+        let endpoint = TonicEndpoint::from_shared(record.addr.clone())
             .map_err(|e| bad(e.to_string()))?
             .connect_timeout(s.connect_timeout)
             .http2_keep_alive_interval(s.keepalive_interval)
             .keep_alive_timeout(s.keepalive_timeout)
             .keep_alive_while_idle(true)
-            .tcp_nodelay(true)
-            .connect_lazy();
+            .tcp_nodelay(true);
+        let channel = match &self.tls {
+            // The worker must prove it is the worker_id it registered under:
+            // an impostor fails the handshake, its Status polls fail, and it
+            // stays unhealthy, so no request is ever routed to it.
+            Some(tls) => {
+                let expected = Identity::new(Role::Worker, id).map_err(|e| bad(e.to_string()))?;
+                let connector = tls.connector_to(expected).map_err(|e| bad(e.to_string()))?;
+                endpoint.connect_with_connector_lazy(connector)
+            }
+            None => endpoint.connect_lazy(),
+        };
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel();
         let ep = Arc::new(Endpoint {
             id: id.into(),

@@ -50,10 +50,13 @@ impl InferenceService {
     }
 }
 
-/// Who is calling, for per-identity limits: the peer's IP address (the
-/// certificate identity takes its place once connections are mutually
-/// authenticated).
+/// Who is calling, for per-identity limits and the trace: the verified
+/// certificate identity under mutual TLS, else (plaintext, development only)
+/// the peer's IP address.
 fn identity_of<T>(request: &Request<T>) -> String {
+    if let Some(id) = request.extensions().get::<tokenmesh_certs::tls::Identity>() {
+        return id.to_string();
+    }
     request
         .remote_addr()
         .map(|a| a.ip().to_string())

@@ -37,6 +37,9 @@ def main() -> None:
     ap.add_argument("--proto-dir", required=True)
     ap.add_argument("--model", required=True)
     ap.add_argument("--question", default="What is the capital of France?")
+    ap.add_argument("--cacert", help="CA certificate (PEM): mutual TLS instead of plaintext")
+    ap.add_argument("--cert", help="client certificate (PEM), with --cacert")
+    ap.add_argument("--key", help="client private key (PEM), with --cacert")
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory() as gen:
@@ -50,7 +53,19 @@ def main() -> None:
             max_tokens=48,
             temperature=0.0,
         )
-        with grpc.insecure_channel(args.target) as channel:
+        if args.cacert:
+            def read(path):
+                with open(path, "rb") as f:
+                    return f.read()
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=read(args.cacert),
+                private_key=read(args.key),
+                certificate_chain=read(args.cert),
+            )
+            channel = grpc.secure_channel(args.target, creds)
+        else:
+            channel = grpc.insecure_channel(args.target)
+        with channel:
             stub = rpc.InferenceStub(channel)
             text, seqs, finished, worker = [], [], None, None
             for msg in stub.Generate(req, timeout=120):

@@ -5,13 +5,91 @@ use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+use tokenmesh_certs::{Ca, Identity, LeafSpec, Role};
 use tokenmesh_proto::v1::inference_client::InferenceClient;
 use tokenmesh_proto::v1::worker_client::WorkerClient;
 use tokenmesh_proto::v1::{
     generate_response::Event, Accepted, ChatMessage, Finished, GenerateRequest, ListModelsRequest,
     StatusRequest,
 };
-use tonic::transport::Channel;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity as TlsIdentity};
+
+/// A test CA in a temporary directory that issues `--tls-dir` directories.
+pub struct Pki {
+    pub dir: tempfile::TempDir,
+    pub ca: Ca,
+}
+
+impl Pki {
+    /// A fresh CA.
+    pub fn new() -> Result<Self> {
+        let dir = tempfile::tempdir()?;
+        let ca = Ca::load_or_create(dir.path())?;
+        Ok(Self { dir, ca })
+    }
+
+    /// A directory `{role}-{name}` holding ca.pem, {role}.pem and {role}.key
+    /// for `spiffe://tokenmesh/{role}/{name}`, valid for a day.
+    pub fn issue(&self, role: Role, name: &str) -> Result<PathBuf> {
+        self.issue_spec(LeafSpec::new(Identity::new(role, name)?, 1))
+    }
+
+    /// Like [`Pki::issue`] with a custom spec (validity, SANs).
+    pub fn issue_spec(&self, spec: LeafSpec) -> Result<PathBuf> {
+        let role = spec.identity.role;
+        let dir = self
+            .dir
+            .path()
+            .join(format!("{role}-{}", spec.identity.name));
+        tokenmesh_certs::write_leaf(&dir, role.as_str(), &self.ca.issue(&spec)?, &self.ca)?;
+        Ok(dir)
+    }
+
+    /// Client credentials from a directory this CA issued.
+    pub fn creds(&self, role: Role, name: &str) -> Result<Creds> {
+        Ok(Creds::new(self.issue(role, name)?, role))
+    }
+}
+
+/// What a test client presents: a `--tls-dir`-style directory and the role
+/// whose certificate in it to use.
+#[derive(Clone, Debug)]
+pub struct Creds {
+    pub dir: PathBuf,
+    pub role: Role,
+}
+
+impl Creds {
+    /// Credentials in `dir` for `role`.
+    pub fn new(dir: PathBuf, role: Role) -> Self {
+        Self { dir, role }
+    }
+
+    /// tonic's client TLS config: trusts ca.pem, presents {role}.pem.
+    pub fn tls_config(&self) -> Result<ClientTlsConfig> {
+        let read = |name: String| std::fs::read(self.dir.join(name));
+        Ok(ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(read("ca.pem".into())?))
+            .identity(TlsIdentity::from_pem(
+                read(format!("{}.pem", self.role))?,
+                read(format!("{}.key", self.role))?,
+            )))
+    }
+}
+
+/// A channel to `addr` (`http://host:port`): mutual TLS with `creds`, or
+/// plaintext without.
+pub async fn channel(addr: &str, creds: Option<&Creds>) -> Result<Channel> {
+    Ok(match creds {
+        Some(c) => {
+            Channel::from_shared(addr.replacen("http://", "https://", 1))?
+                .tls_config(c.tls_config()?)?
+                .connect()
+                .await?
+        }
+        None => Channel::from_shared(addr.to_string())?.connect().await?,
+    })
+}
 
 /// Where the release binaries are: `TOKENMESH_BIN_DIR`, else the profile
 /// directory this test binary was built into (target/<profile>/deps/..).
@@ -138,16 +216,41 @@ impl Drop for Proc {
 /// A single-node etcd from Debian's etcd-server package.
 pub struct Etcd {
     pub url: String,
+    /// With TLS: what [`Etcd::client`] presents.
+    pub creds: Option<Creds>,
     _proc: Proc,
     _dir: tempfile::TempDir,
+}
+
+/// etcd client options, with mutual TLS when `creds` are given.
+fn etcd_options(creds: Option<&Creds>) -> Result<Option<etcd_client::ConnectOptions>> {
+    Ok(match creds {
+        Some(c) => Some(etcd_client::ConnectOptions::new().with_tls(c.tls_config()?)),
+        None => None,
+    })
 }
 
 impl Etcd {
     /// Starts etcd on free loopback ports and waits until it answers.
     pub async fn start() -> Result<Self> {
+        Self::start_opts(None).await
+    }
+
+    /// Starts etcd serving `https://` and demanding client certificates of
+    /// `pki`'s CA (etcd's own client-certificate auth).
+    pub async fn start_tls(pki: &Pki) -> Result<Self> {
+        // etcd is no mesh role: any leaf of the mesh CA with its address in
+        // the SANs can serve it; a `control` leaf named etcd is used.
+        let server = pki.issue(Role::Control, "etcd")?;
+        let probe = pki.creds(Role::Client, "etcd-probe")?;
+        Self::start_opts(Some((server, probe))).await
+    }
+
+    async fn start_opts(tls: Option<(PathBuf, Creds)>) -> Result<Self> {
         let dir = tempfile::tempdir()?;
         let (client, peer) = (free_port(), free_port());
-        let url = format!("http://127.0.0.1:{client}");
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        let url = format!("{scheme}://127.0.0.1:{client}");
         let peer_url = format!("http://127.0.0.1:{peer}");
         let args: Vec<String> = [
             "--name",
@@ -168,11 +271,27 @@ impl Etcd {
         .iter()
         .map(|s| s.to_string())
         .collect();
+        let mut args = args;
+        if let Some((server, _)) = &tls {
+            let f = |n: &str| server.join(n).display().to_string();
+            args.extend([
+                "--cert-file".into(),
+                f("control.pem"),
+                "--key-file".into(),
+                f("control.key"),
+                "--trusted-ca-file".into(),
+                f("ca.pem"),
+                "--client-cert-auth".into(),
+            ]);
+        }
+        let creds = tls.map(|t| t.1);
         let etcd = which("etcd").context("etcd is not installed (apt-get install etcd-server)")?;
         let mut proc = Proc::spawn("etcd", &etcd, &args, dir.path())?;
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
-            if let Ok(mut c) = etcd_client::Client::connect([url.as_str()], None).await {
+            if let Ok(mut c) =
+                etcd_client::Client::connect([url.as_str()], etcd_options(creds.as_ref())?).await
+            {
                 if c.get("probe", None).await.is_ok() {
                     break;
                 }
@@ -184,6 +303,7 @@ impl Etcd {
         }
         Ok(Self {
             url,
+            creds,
             _proc: proc,
             _dir: dir,
         })
@@ -191,9 +311,12 @@ impl Etcd {
 
     /// A client.
     pub async fn client(&self) -> etcd_client::Client {
-        etcd_client::Client::connect([self.url.as_str()], None)
-            .await
-            .expect("connecting to the test etcd")
+        etcd_client::Client::connect(
+            [self.url.as_str()],
+            etcd_options(self.creds.as_ref()).expect("etcd client credentials"),
+        )
+        .await
+        .expect("connecting to the test etcd")
     }
 }
 
@@ -210,6 +333,8 @@ pub struct WorkerProc {
     pub id: String,
     pub addr: String,
     pub proc: Proc,
+    /// What the harness's own clients present (mTLS workers only).
+    pub creds: Option<Creds>,
 }
 
 /// Options for a worker.
@@ -222,6 +347,9 @@ pub struct WorkerOpts {
     /// Run the synthetic engine at this many tokens/s per sequence instead
     /// of the real model.
     pub synthetic_tokens_per_sec: Option<f64>,
+    /// Serve mutual TLS from this `--tls-dir` instead of `--insecure`; the
+    /// harness then probes with `probe` (a router certificate).
+    pub tls: Option<(PathBuf, Creds)>,
 }
 
 impl WorkerOpts {
@@ -233,6 +361,7 @@ impl WorkerOpts {
             etcd: None,
             extra: vec![],
             synthetic_tokens_per_sec: None,
+            tls: None,
         }
     }
 }
@@ -242,15 +371,15 @@ impl WorkerProc {
     /// engine) and waits until it serves.
     pub async fn start(opts: WorkerOpts, dir: &Path) -> Result<Self> {
         let port = free_port();
-        let mut args: Vec<String> = vec![
+        let mut args: Vec<String> = transport_args(opts.tls.as_ref().map(|t| t.0.as_path()));
+        args.extend([
             "--listen".into(),
             format!("127.0.0.1:{port}"),
-            "--insecure".into(),
             "--model-version".into(),
             opts.version.clone(),
             "--worker-id".into(),
             opts.id.clone(),
-        ];
+        ]);
         match opts.synthetic_tokens_per_sec {
             Some(rate) => args.extend([
                 "--engine".into(),
@@ -271,10 +400,11 @@ impl WorkerProc {
         args.extend(opts.extra.iter().cloned());
         let mut proc = Proc::spawn(&opts.id, &bin("tokenmesh-worker"), &args, dir)?;
         let addr = format!("http://127.0.0.1:{port}");
+        let creds = opts.tls.as_ref().map(|t| t.1.clone());
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
-            if let Ok(mut c) = WorkerClient::connect(addr.clone()).await {
-                if c.status(StatusRequest {}).await.is_ok() {
+            if let Ok(ch) = channel(&addr, creds.as_ref()).await {
+                if WorkerClient::new(ch).status(StatusRequest {}).await.is_ok() {
                     break;
                 }
             }
@@ -287,14 +417,25 @@ impl WorkerProc {
             id: opts.id,
             addr,
             proc,
+            creds,
         })
     }
 
     /// A Worker client.
     pub async fn client(&self) -> WorkerClient<Channel> {
-        WorkerClient::connect(self.addr.clone())
-            .await
-            .expect("connecting to a worker")
+        WorkerClient::new(
+            channel(&self.addr, self.creds.as_ref())
+                .await
+                .expect("connecting to a worker"),
+        )
+    }
+}
+
+/// `--tls-dir DIR`, or `--insecure` without one.
+fn transport_args(tls_dir: Option<&Path>) -> Vec<String> {
+    match tls_dir {
+        Some(d) => vec!["--tls-dir".into(), d.display().to_string()],
+        None => vec!["--insecure".into()],
     }
 }
 
@@ -302,26 +443,43 @@ impl WorkerProc {
 pub struct RouterProc {
     pub addr: String,
     pub proc: Proc,
+    /// What the harness's own clients present (mTLS routers only).
+    pub creds: Option<Creds>,
 }
 
 impl RouterProc {
-    /// Starts a router with the given discovery arguments and waits until it serves.
+    /// Starts a plaintext router with the given discovery arguments and waits until it serves.
     pub async fn start(discovery: &[String], dir: &Path) -> Result<Self> {
+        Self::start_tls(discovery, None, dir).await
+    }
+
+    /// Starts a router; with `tls` = (its `--tls-dir`, the client
+    /// credentials the harness probes with) it serves mutual TLS.
+    pub async fn start_tls(
+        discovery: &[String],
+        tls: Option<(PathBuf, Creds)>,
+        dir: &Path,
+    ) -> Result<Self> {
         let port = free_port();
-        let mut args: Vec<String> = vec![
+        let mut args: Vec<String> = transport_args(tls.as_ref().map(|t| t.0.as_path()));
+        args.extend([
             "--listen".into(),
             format!("127.0.0.1:{port}"),
-            "--insecure".into(),
             "--status-interval-ms".into(),
             "200".into(),
-        ];
+        ]);
         args.extend(discovery.iter().cloned());
         let mut proc = Proc::spawn("router", &bin("tokenmesh-router"), &args, dir)?;
         let addr = format!("http://127.0.0.1:{port}");
+        let creds = tls.map(|t| t.1);
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            if let Ok(mut c) = InferenceClient::connect(addr.clone()).await {
-                if c.list_models(ListModelsRequest {}).await.is_ok() {
+            if let Ok(ch) = channel(&addr, creds.as_ref()).await {
+                if InferenceClient::new(ch)
+                    .list_models(ListModelsRequest {})
+                    .await
+                    .is_ok()
+                {
                     break;
                 }
             }
@@ -330,14 +488,16 @@ impl RouterProc {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        Ok(Self { addr, proc })
+        Ok(Self { addr, proc, creds })
     }
 
     /// An Inference client.
     pub async fn client(&self) -> InferenceClient<Channel> {
-        InferenceClient::connect(self.addr.clone())
-            .await
-            .expect("connecting to the router")
+        InferenceClient::new(
+            channel(&self.addr, self.creds.as_ref())
+                .await
+                .expect("connecting to the router"),
+        )
     }
 
     /// Waits until the router sees exactly `want` ready workers of `model`.

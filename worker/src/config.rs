@@ -29,11 +29,14 @@ pub struct WorkerConfig {
     #[arg(long, env = "TOKENMESH_LEASE_TTL", default_value_t = 10)]
     pub lease_ttl: u64,
 
-    /// Serve plaintext gRPC (development only). Required until mTLS lands.
-    #[arg(long, env = "TOKENMESH_INSECURE")]
+    /// Serve plaintext gRPC, with no identities (development only).
+    /// Required when no --tls-dir is given.
+    #[arg(long, env = "TOKENMESH_INSECURE", conflicts_with = "tls_dir")]
     pub insecure: bool,
 
-    /// Directory with ca.pem, worker.pem and worker.key for mutual TLS.
+    /// Directory with ca.pem, worker.pem and worker.key (as tokenmesh-certs
+    /// writes them) for mutual TLS: only routers may call; the certificate's
+    /// name is this worker's id (--worker-id defaults to it).
     #[arg(long, env = "TOKENMESH_TLS_DIR")]
     pub tls_dir: Option<PathBuf>,
 
@@ -51,6 +54,11 @@ pub struct WorkerConfig {
         default_value_t = 50.0
     )]
     pub synthetic_tokens_per_sec: f64,
+
+    /// How often worker.pem and worker.key are checked for replacement, in
+    /// milliseconds; a valid replacement serves new connections at once.
+    #[arg(long, env = "TOKENMESH_TLS_RELOAD_MS", default_value_t = 2_000)]
+    pub tls_reload_ms: u64,
 
     /// GGUF model file, or `default` for the cached SmolLM2-135M-Instruct.
     #[arg(long, env = "TOKENMESH_MODEL", default_value = "default")]
@@ -74,7 +82,8 @@ pub struct WorkerConfig {
     #[arg(long, env = "TOKENMESH_MODEL_VERSION", default_value = "v1")]
     pub model_version: String,
 
-    /// Unique id of this worker (default: worker-<random>).
+    /// Unique id of this worker (default: the name in worker.pem with
+    /// --tls-dir, else worker-<random>).
     #[arg(long, env = "TOKENMESH_WORKER_ID")]
     pub worker_id: Option<String>,
 

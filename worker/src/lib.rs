@@ -22,6 +22,7 @@ use std::future::Future;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tokenmesh_certs::tls::{AuthLayer, MeshTls, Role};
 use tokenmesh_proto::keys::Keys;
 use tokenmesh_proto::records::WorkerRecord;
 use tokenmesh_proto::v1::worker_server::WorkerServer;
@@ -34,8 +35,10 @@ use tonic::transport::server::TcpIncoming;
 pub enum RunError {
     #[error("choose a transport: --tls-dir DIR for mutual TLS, or --insecure for plaintext (development only)")]
     NoTransport,
-    #[error("--tls-dir: mutual TLS is not implemented in this build yet; use --insecure")]
-    TlsUnsupported,
+    #[error("--tls-dir: {0}")]
+    Tls(#[from] tokenmesh_certs::tls::TlsError),
+    #[error("--worker-id {flag} differs from the name in the worker certificate ({cert}); routers would refuse this worker")]
+    IdMismatch { flag: String, cert: String },
     #[error("--synthetic-tokens-per-sec {0}: must be a positive number")]
     SyntheticRate(f64),
     #[error(transparent)]
@@ -163,16 +166,31 @@ pub async fn run(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), RunError> {
-    if cfg.tls_dir.is_some() {
-        return Err(RunError::TlsUnsupported);
-    }
-    if !cfg.insecure {
-        return Err(RunError::NoTransport);
-    }
-    tracing::warn!("serving plaintext gRPC (--insecure): development only");
+    // Certificates are checked before the model loads, so a bad file fails
+    // fast with its name in the error.
+    let tls = match &cfg.tls_dir {
+        Some(dir) => {
+            let tls = MeshTls::load(dir, Role::Worker)?;
+            let name = tls.store.identity().name;
+            if let Some(flag) = cfg.worker_id.as_ref().filter(|f| **f != name) {
+                return Err(RunError::IdMismatch {
+                    flag: flag.clone(),
+                    cert: name,
+                });
+            }
+            tracing::info!(identity = %tls.store.identity(), dir = %dir.display(), "mutual TLS");
+            Some(tls)
+        }
+        None if cfg.insecure => {
+            tracing::warn!("INSECURE: serving plaintext gRPC with no identities (--insecure); development only");
+            None
+        }
+        None => return Err(RunError::NoTransport),
+    };
     let worker_id = cfg
         .worker_id
         .clone()
+        .or_else(|| tls.as_ref().map(|t| t.store.identity().name))
         .unwrap_or_else(|| format!("worker-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]));
     let started = start_engine(&cfg, &worker_id).await?;
     let identity = WorkerIdentity {
@@ -244,6 +262,10 @@ pub async fn run(
             key: keys.worker(&identity.model_name, &identity.version, &identity.worker_id),
             value: serde_json::to_string(&record).expect("a WorkerRecord serializes"),
             ttl: cfg.lease_ttl(),
+            tls: tls
+                .as_ref()
+                .filter(|_| tokenmesh_certs::tls::etcd::wants_tls(&cfg.etcd))
+                .map(|t| t.store.paths().clone()),
         };
         Some(tokio::spawn(registration::run(reg, deregister_rx)))
     };
@@ -276,20 +298,36 @@ pub async fn run(
         "tokenmesh-worker ready: {} serving {} {} on {bound}",
         identity.worker_id, identity.model_name, identity.version
     );
-    tonic::transport::Server::builder()
+    let routes = tonic::transport::Server::builder()
+        .layer(AuthLayer::new("worker", &[Role::Router], tls.is_some()))
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
-        .add_service(WorkerServer::new(service))
-        // Streams are many small messages: without TCP_NODELAY, Nagle's
-        // algorithm and delayed ACKs hold a token back by up to 40 ms.
-        .serve_with_incoming_shutdown(
-            TcpIncoming::from(listener).with_nodelay(Some(true)),
-            async {
-                let _ = stop_rx.await;
-            },
-        )
-        .await?;
+        .add_service(WorkerServer::new(service));
+    let stopped = async {
+        let _ = stop_rx.await;
+    };
+    match tls {
+        Some(tls) => {
+            let config = tls.server_config()?;
+            let _watcher = tls.watch(Duration::from_millis(cfg.tls_reload_ms.max(10)));
+            routes
+                .serve_with_incoming_shutdown(
+                    tokenmesh_certs::tls::server::incoming(listener, config),
+                    stopped,
+                )
+                .await?
+        }
+        None => {
+            routes
+                .serve_with_incoming_shutdown(
+                    // Without TCP_NODELAY small HTTP/2 frames wait on Nagle.
+                    TcpIncoming::from(listener).with_nodelay(Some(true)),
+                    stopped,
+                )
+                .await?
+        }
+    }
     drainer.abort();
     tracing::info!("worker stopped");
     Ok(())

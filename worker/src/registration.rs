@@ -17,6 +17,8 @@ pub struct RegistrationConfig {
     /// JSON `WorkerRecord`.
     pub value: String,
     pub ttl: Duration,
+    /// Mutual TLS to etcd (`https://` endpoints with `--tls-dir`).
+    pub tls: Option<tokenmesh_certs::tls::TlsPaths>,
 }
 
 /// Keeps the registration alive until `shutdown` turns true, then removes it.
@@ -45,9 +47,14 @@ async fn register_once(
     cfg: &RegistrationConfig,
     shutdown: &mut watch::Receiver<bool>,
 ) -> Result<(), etcd_client::Error> {
-    let opts = ConnectOptions::new()
+    let mut opts = ConnectOptions::new()
         .with_connect_timeout(Duration::from_secs(2))
         .with_timeout(Duration::from_secs(3));
+    if let Some(paths) = &cfg.tls {
+        let tls = tokenmesh_certs::tls::etcd::client_tls(paths)
+            .map_err(|e| etcd_client::Error::InvalidArgs(e.to_string()))?;
+        opts = opts.with_tls(tls);
+    }
     let mut client = Client::connect(&cfg.endpoints, Some(opts)).await?;
     let ttl = cfg.ttl.as_secs().max(1) as i64;
     let lease = client.lease_grant(ttl, None).await?.id();

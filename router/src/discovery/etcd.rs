@@ -7,14 +7,20 @@ use etcd_client::{Client, ConnectOptions, EventType, GetOptions, WatchOptions};
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
+use tokenmesh_certs::tls::TlsPaths;
 use tokenmesh_proto::keys::Keys;
 use tokenmesh_proto::records::{PolicyRecord, WorkerRecord};
 
-/// Runs discovery forever.
-pub async fn run(endpoints: Vec<String>, keys: Keys, registry: Arc<Registry>) {
+/// Runs discovery forever. With `tls`, connects to etcd with mutual TLS.
+pub async fn run(
+    endpoints: Vec<String>,
+    keys: Keys,
+    registry: Arc<Registry>,
+    tls: Option<TlsPaths>,
+) {
     let mut backoff = Duration::from_millis(200);
     loop {
-        match sync_and_watch(&endpoints, &keys, &registry).await {
+        match sync_and_watch(&endpoints, &keys, &registry, tls.as_ref()).await {
             Ok(()) => backoff = Duration::from_millis(200),
             Err(e) => {
                 tracing::warn!(error = %e, "etcd discovery interrupted; keeping the last known state");
@@ -29,11 +35,17 @@ async fn sync_and_watch(
     endpoints: &[String],
     keys: &Keys,
     registry: &Registry,
+    tls: Option<&TlsPaths>,
 ) -> Result<(), etcd_client::Error> {
-    let opts = ConnectOptions::new()
+    let mut opts = ConnectOptions::new()
         .with_connect_timeout(Duration::from_secs(2))
         .with_keep_alive(Duration::from_secs(5), Duration::from_secs(3))
         .with_keep_alive_while_idle(true);
+    if let Some(paths) = tls {
+        let tls = tokenmesh_certs::tls::etcd::client_tls(paths)
+            .map_err(|e| etcd_client::Error::InvalidArgs(e.to_string()))?;
+        opts = opts.with_tls(tls);
+    }
     let mut client = Client::connect(endpoints, Some(opts)).await?;
 
     let workers = client

@@ -1,24 +1,102 @@
 //! A small Inference client for `meshctl generate` and `meshctl models`.
+use anyhow::Context;
 use std::io::Write;
+use std::path::PathBuf;
 use tokenmesh_proto::v1::inference_client::InferenceClient;
 use tokenmesh_proto::v1::{
     generate_response::Event, ChatMessage, FinishReason, GenerateRequest, ListModelsRequest,
     ListModelsResponse,
 };
-use tonic::transport::Channel;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
 
-/// Connects to a router.
-pub async fn connect(addr: &str) -> anyhow::Result<InferenceClient<Channel>> {
-    let addr = if addr.contains("://") {
-        addr.to_string()
-    } else {
-        format!("http://{addr}")
+/// How meshctl reaches the router.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ConnectArgs {
+    /// Router address.
+    #[arg(long, env = "TOKENMESH_ROUTER", default_value = "127.0.0.1:50051")]
+    pub router: String,
+    /// Directory with ca.pem and {role}.pem/{role}.key for mutual TLS
+    /// (default: the development certificates of `meshctl up`, if present).
+    #[arg(long, env = "TOKENMESH_TLS_DIR")]
+    pub tls_dir: Option<PathBuf>,
+    /// Which certificate in --tls-dir to present: client or operator.
+    #[arg(long, env = "TOKENMESH_TLS_ROLE", default_value = "client")]
+    pub tls_role: String,
+    /// Plaintext, for a router started with --insecure (development only).
+    #[arg(long, env = "TOKENMESH_INSECURE", conflicts_with = "tls_dir")]
+    pub insecure: bool,
+}
+
+/// Where `meshctl up` keeps development certificates unless told otherwise.
+pub fn default_dev_certs() -> PathBuf {
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(std::env::temp_dir);
+    home.join(".config/tokenmesh/dev-certs")
+}
+
+impl ConnectArgs {
+    /// The TLS directory to use, or `None` for plaintext.
+    fn tls_dir(&self) -> anyhow::Result<Option<PathBuf>> {
+        if self.insecure {
+            return Ok(None);
+        }
+        if let Some(d) = &self.tls_dir {
+            return Ok(Some(d.clone()));
+        }
+        let dev = default_dev_certs();
+        if dev.join(format!("{}.pem", self.tls_role)).is_file() {
+            return Ok(Some(dev));
+        }
+        anyhow::bail!(
+            "no certificates: give --tls-dir DIR (ca.pem, {role}.pem, {role}.key), run `meshctl up` once to create development certificates in {}, or --insecure for a plaintext router",
+            dev.display(),
+            role = self.tls_role
+        )
+    }
+}
+
+/// Connects to a router, over mutual TLS with the certificates in `tls_dir`
+/// or plaintext when it is `None`.
+pub async fn connect_with(
+    addr: &str,
+    tls: Option<(&std::path::Path, &str)>,
+) -> anyhow::Result<InferenceClient<Channel>> {
+    let host = addr.split("://").last().unwrap_or(addr);
+    let url = match tls {
+        Some(_) => format!("https://{host}"),
+        None => format!("http://{host}"),
     };
-    let channel = Channel::from_shared(addr.clone())?
+    let mut endpoint = Channel::from_shared(url.clone())?;
+    if let Some((dir, role)) = tls {
+        let read = |name: String| {
+            let p = dir.join(name);
+            std::fs::read(&p).with_context(|| format!("reading {}", p.display()))
+        };
+        endpoint = endpoint.tls_config(
+            ClientTlsConfig::new()
+                .ca_certificate(Certificate::from_pem(read("ca.pem".into())?))
+                .identity(Identity::from_pem(
+                    read(format!("{role}.pem"))?,
+                    read(format!("{role}.key"))?,
+                )),
+        )?;
+    }
+    let channel = endpoint
         .connect()
         .await
-        .map_err(|e| anyhow::anyhow!("cannot reach the router at {addr}: {e}"))?;
+        .map_err(|e| anyhow::anyhow!("cannot reach the router at {url}: {e}"))?;
     Ok(InferenceClient::new(channel))
+}
+
+/// Connects as the command line says.
+pub async fn connect(args: &ConnectArgs) -> anyhow::Result<InferenceClient<Channel>> {
+    let dir = args.tls_dir()?;
+    connect_with(
+        &args.router,
+        dir.as_deref().map(|d| (d, args.tls_role.as_str())),
+    )
+    .await
 }
 
 /// What `generate` asks for.

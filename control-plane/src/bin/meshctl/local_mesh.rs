@@ -35,6 +35,13 @@ pub struct UpArgs {
     /// Directory for the static discovery file and logs (default: a temporary one).
     #[arg(long)]
     pub run_dir: Option<PathBuf>,
+    /// Where development certificates are created on first use and kept
+    /// (default: ~/.config/tokenmesh/dev-certs).
+    #[arg(long, env = "TOKENMESH_DEV_CERTS")]
+    pub certs_dir: Option<PathBuf>,
+    /// Plaintext gRPC with no certificates (development only).
+    #[arg(long)]
+    pub insecure: bool,
     /// Exit once the mesh is ready instead of serving until Ctrl-C (for scripts and tests).
     #[arg(long)]
     pub check: bool,
@@ -129,6 +136,26 @@ pub async fn up(args: UpArgs) -> anyhow::Result<()> {
         .threads
         .unwrap_or_else(|| (cores / args.workers.max(1) as usize).max(1));
 
+    let worker_ids: Vec<String> = (1..=args.workers).map(|i| format!("worker-{i}")).collect();
+    let certs = if args.insecure {
+        eprintln!("INSECURE: plaintext gRPC with no identities (--insecure); development only");
+        None
+    } else {
+        let dir = args
+            .certs_dir
+            .clone()
+            .unwrap_or_else(crate::client::default_dev_certs);
+        tokenmesh_certs::ensure_dev_bundle(&dir, &worker_ids)
+            .with_context(|| format!("creating development certificates in {}", dir.display()))?;
+        Some(dir)
+    };
+    let transport = |tls_dir: Option<PathBuf>| -> Vec<String> {
+        match tls_dir {
+            Some(d) => vec!["--tls-dir".into(), d.display().to_string()],
+            None => vec!["--insecure".into()],
+        }
+    };
+
     let mut mesh = Mesh { children: vec![] };
     let mut static_toml = String::new();
     eprintln!(
@@ -136,13 +163,17 @@ pub async fn up(args: UpArgs) -> anyhow::Result<()> {
         args.workers,
         model.display()
     );
-    for i in 0..args.workers {
-        let id = format!("worker-{}", i + 1);
-        let port = args.worker_base_port + i;
-        let wargs: Vec<String> = vec![
+    for (i, id) in worker_ids.iter().enumerate() {
+        let id = id.clone();
+        let port = args.worker_base_port + i as u16;
+        let mut wargs: Vec<String> = transport(
+            certs
+                .as_deref()
+                .map(|d| tokenmesh_certs::worker_dir(d, &id)),
+        );
+        wargs.extend([
             "--listen".into(),
             format!("127.0.0.1:{port}"),
-            "--insecure".into(),
             "--model".into(),
             model.display().to_string(),
             "--model-name".into(),
@@ -153,7 +184,7 @@ pub async fn up(args: UpArgs) -> anyhow::Result<()> {
             id.clone(),
             "--threads".into(),
             threads.to_string(),
-        ];
+        ]);
         mesh.children.push(spawn(
             &id,
             &worker_bin,
@@ -167,13 +198,13 @@ pub async fn up(args: UpArgs) -> anyhow::Result<()> {
     static_toml.push_str(&format!("[models.\"{model_name}\"]\nstable = \"v1\"\n"));
     let static_path = run_dir.join("static.toml");
     std::fs::write(&static_path, static_toml)?;
-    let rargs: Vec<String> = vec![
+    let mut rargs: Vec<String> = transport(certs.clone());
+    rargs.extend([
         "--listen".into(),
         args.listen.clone(),
-        "--insecure".into(),
         "--static".into(),
         static_path.display().to_string(),
-    ];
+    ]);
     mesh.children.push(spawn(
         "router",
         &router_bin,
@@ -181,15 +212,44 @@ pub async fn up(args: UpArgs) -> anyhow::Result<()> {
         &run_dir.join("router.log"),
     )?);
 
-    if let Err(e) = wait_ready(&mut mesh, &args.listen, &model_name, args.workers as u32).await {
+    if let Err(e) = wait_ready(
+        &mut mesh,
+        &args.listen,
+        certs.as_deref(),
+        &model_name,
+        args.workers as u32,
+    )
+    .await
+    {
         mesh.stop().await;
         bail!("{e:#}\nlogs are in {}", run_dir.display());
     }
+    let body = format!(
+        "'{{\"model\":\"{model_name}\",\"messages\":[{{\"role\":\"user\",\"content\":\"Hi!\"}}],\"max_tokens\":32}}'"
+    );
+    let (mode, grpcurl_tls, meshctl_tls) = match &certs {
+        Some(d) => (
+            format!(
+                "mutual TLS; client certificate {c}/client.pem, key {c}/client.key, CA {c}/ca.pem",
+                c = d.display()
+            ),
+            format!(
+                "-cacert {c}/ca.pem -cert {c}/client.pem -key {c}/client.key",
+                c = d.display()
+            ),
+            format!("--tls-dir {}", d.display()),
+        ),
+        None => (
+            "plaintext, development only".to_string(),
+            "-plaintext".to_string(),
+            "--insecure".to_string(),
+        ),
+    };
     println!(
-        "tokenmesh is up: router http://{listen} (plaintext, development only), {n} workers of {model_name}\n\
+        "tokenmesh is up: router {listen} ({mode}), {n} workers of {model_name}\n\
          logs and static discovery file: {dir}\n\n\
-         try it:\n  meshctl generate --router {listen} \"What is the capital of France?\"\n  \
-         grpcurl -plaintext -d '{{\"model\":\"{model_name}\",\"messages\":[{{\"role\":\"user\",\"content\":\"Hi!\"}}],\"max_tokens\":32}}' {listen} tokenmesh.v1.Inference/Generate\n",
+         try it:\n  meshctl generate --router {listen} {meshctl_tls} \"What is the capital of France?\"\n  \
+         grpcurl {grpcurl_tls} -d {body} {listen} tokenmesh.v1.Inference/Generate\n",
         listen = args.listen,
         n = args.workers,
         dir = run_dir.display()
@@ -223,6 +283,7 @@ pub async fn up(args: UpArgs) -> anyhow::Result<()> {
 async fn wait_ready(
     mesh: &mut Mesh,
     listen: &str,
+    certs: Option<&Path>,
     model: &str,
     workers: u32,
 ) -> anyhow::Result<()> {
@@ -234,7 +295,9 @@ async fn wait_ready(
         if Instant::now() > deadline {
             bail!("the mesh was not ready within 120 s");
         }
-        if let Ok(mut client) = crate::client::connect(listen).await {
+        if let Ok(mut client) =
+            crate::client::connect_with(listen, certs.map(|d| (d, "client"))).await
+        {
             if let Ok(resp) = client.list_models(ListModelsRequest {}).await {
                 let ready: u32 = resp
                     .into_inner()

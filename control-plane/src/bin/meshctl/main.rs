@@ -32,9 +32,8 @@ enum Cmd {
     Bench(Box<bench::BenchCmd>),
     /// List models, versions, traffic split and ready workers.
     Models {
-        /// Router address.
-        #[arg(long, env = "TOKENMESH_ROUTER", default_value = "127.0.0.1:50051")]
-        router: String,
+        #[command(flatten)]
+        connect: client::ConnectArgs,
     },
 }
 
@@ -42,9 +41,8 @@ enum Cmd {
 struct GenerateCmd {
     /// The user's chat message (rendered with the model's chat template).
     message: Option<String>,
-    /// Router address.
-    #[arg(long, env = "TOKENMESH_ROUTER", default_value = "127.0.0.1:50051")]
-    router: String,
+    #[command(flatten)]
+    connect: client::ConnectArgs,
     /// Model name (default: the only model served).
     #[arg(long)]
     model: Option<String>,
@@ -72,7 +70,7 @@ async fn main() -> anyhow::Result<()> {
         Cmd::Up(args) => local_mesh::up(args).await,
         Cmd::Bench(cmd) => bench::main(*cmd).await,
         Cmd::Generate(g) => {
-            let mut c = client::connect(&g.router).await?;
+            let mut c = client::connect(&g.connect).await?;
             let summary = client::generate(
                 &mut c,
                 client::GenerateArgs {
@@ -101,8 +99,8 @@ async fn main() -> anyhow::Result<()> {
             println!("{}", path.display());
             Ok(())
         }
-        Cmd::Models { router } => {
-            let mut c = client::connect(&router).await?;
+        Cmd::Models { connect } => {
+            let mut c = client::connect(&connect).await?;
             let resp = c
                 .list_models(tokenmesh_proto::v1::ListModelsRequest {})
                 .await?
