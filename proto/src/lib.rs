@@ -6,6 +6,7 @@
 pub mod deadline;
 pub mod keys;
 pub mod records;
+pub mod server_support;
 pub mod telemetry;
 pub mod validate;
 

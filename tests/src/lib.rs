@@ -599,3 +599,33 @@ where
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
 }
+
+/// Writes a static discovery file listing `workers` (all serving `MODEL` v1)
+/// into `dir`; returns its path for `--static`.
+pub fn static_file(dir: &Path, workers: &[&WorkerProc]) -> String {
+    let mut toml = String::new();
+    for w in workers {
+        toml.push_str(&format!(
+            "[[workers]]\nid = \"{}\"\nmodel = \"{MODEL}\"\nversion = \"v1\"\naddr = \"{}\"\n\n",
+            w.id, w.addr
+        ));
+    }
+    let path = dir.join("static.toml");
+    std::fs::write(&path, toml).expect("writing the static discovery file");
+    path.display().to_string()
+}
+
+/// Waits up to `timeout` until the worker reports no active sequence.
+pub async fn wait_idle(worker: &WorkerProc, timeout: Duration) -> bool {
+    let wc = worker.client().await;
+    eventually(timeout, || {
+        let mut wc = wc.clone();
+        async move {
+            wc.status(StatusRequest {})
+                .await
+                .map(|s| s.into_inner().active_sequences == 0)
+                .unwrap_or(false)
+        }
+    })
+    .await
+}

@@ -13,16 +13,8 @@ async fn sigkill_mid_stream_continues_on_another_worker_token_for_token() {
     let b = WorkerProc::start(WorkerOpts::new("w-2"), dir.path())
         .await
         .unwrap();
-    let mut toml = String::new();
-    for w in [&a, &b] {
-        toml.push_str(&format!(
-            "[[workers]]\nid = \"{}\"\nmodel = \"{MODEL}\"\nversion = \"v1\"\naddr = \"{}\"\n\n",
-            w.id, w.addr
-        ));
-    }
-    let path = dir.path().join("static.toml");
-    std::fs::write(&path, toml).unwrap();
-    let router = RouterProc::start(&["--static".into(), path.display().to_string()], dir.path())
+    let path = static_file(dir.path(), &[&a, &b]);
+    let router = RouterProc::start(&["--static".into(), path], dir.path())
         .await
         .unwrap();
     router

@@ -238,17 +238,10 @@ async fn cancelled_stream_frees_the_sequence() {
         .active_sequences;
     assert_eq!(active, 1);
     drop(stream);
-    let freed = eventually(Duration::from_secs(3), || {
-        let mut wc = wc.clone();
-        async move {
-            wc.status(StatusRequest {})
-                .await
-                .map(|s| s.into_inner().active_sequences == 0)
-                .unwrap_or(false)
-        }
-    })
-    .await;
-    assert!(freed, "the worker still runs the cancelled sequence");
+    assert!(
+        wait_idle(&w, Duration::from_secs(3)).await,
+        "the worker still runs the cancelled sequence"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

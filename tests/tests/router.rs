@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 use tokenmesh_proto::v1::generate_response::Event;
-use tokenmesh_proto::v1::{Arm, GenerateRequest, StatusRequest};
+use tokenmesh_proto::v1::{Arm, GenerateRequest};
 use tokenmesh_tests::*;
 use tonic::Code;
 
@@ -16,19 +16,6 @@ fn counting(max_tokens: u32) -> GenerateRequest {
         temperature: Some(0.0),
         ..Default::default()
     }
-}
-
-fn static_file(dir: &std::path::Path, workers: &[&WorkerProc]) -> String {
-    let mut toml = String::new();
-    for w in workers {
-        toml.push_str(&format!(
-            "[[workers]]\nid = \"{}\"\nmodel = \"{MODEL}\"\nversion = \"v1\"\naddr = \"{}\"\n\n",
-            w.id, w.addr
-        ));
-    }
-    let path = dir.join("static.toml");
-    std::fs::write(&path, toml).unwrap();
-    path.display().to_string()
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -380,17 +367,8 @@ async fn deadline_propagates_and_frees_the_sequence() {
         "{:?}",
         started.elapsed()
     );
-    let mut wc = w.client().await;
-    let freed = eventually(Duration::from_secs(2), || {
-        let mut wc = wc.clone();
-        async move {
-            wc.status(StatusRequest {})
-                .await
-                .map(|s| s.into_inner().active_sequences == 0)
-                .unwrap_or(false)
-        }
-    })
-    .await;
-    assert!(freed);
-    drop(wc.status(StatusRequest {}).await);
+    assert!(
+        wait_idle(&w, Duration::from_secs(2)).await,
+        "the sequence was not freed"
+    );
 }

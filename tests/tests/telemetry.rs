@@ -82,19 +82,6 @@ fn attr_str(span: &Span, key: &str) -> String {
     }
 }
 
-fn static_file(dir: &std::path::Path, w: &WorkerProc) -> String {
-    let path = dir.join("static.toml");
-    std::fs::write(
-        &path,
-        format!(
-            "[[workers]]\nid = \"{}\"\nmodel = \"{MODEL}\"\nversion = \"v1\"\naddr = \"{}\"\n",
-            w.id, w.addr
-        ),
-    )
-    .unwrap();
-    path.display().to_string()
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn one_trace_crosses_router_and_worker() {
     // The batch span processor exports every 5 s by default; the child
@@ -114,7 +101,7 @@ async fn one_trace_crosses_router_and_worker() {
     let router = RouterProc::start(
         &[
             "--static".into(),
-            static_file(dir.path(), &w),
+            static_file(dir.path(), &[&w]),
             "--otlp-endpoint".into(),
             endpoint,
         ],
@@ -259,7 +246,7 @@ async fn requests_succeed_with_the_collector_down() {
     let router = RouterProc::start(
         &[
             "--static".into(),
-            static_file(dir.path(), &w),
+            static_file(dir.path(), &[&w]),
             "--otlp-endpoint".into(),
             dead,
         ],
@@ -335,7 +322,7 @@ async fn metrics_count_the_traffic() {
     let router = RouterProc::start(
         &[
             "--static".into(),
-            static_file(dir.path(), &w),
+            static_file(dir.path(), &[&w]),
             "--metrics-listen".into(),
             router_metrics.clone(),
         ],

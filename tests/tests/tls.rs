@@ -36,20 +36,12 @@ async fn tls_worker(pki: &Pki, id: &str, etcd: Option<String>, dir: &Path) -> Wo
 /// An mTLS router over a static file listing `workers`; returns it and its
 /// `--tls-dir`.
 async fn tls_router(pki: &Pki, workers: &[&WorkerProc], dir: &Path) -> (RouterProc, PathBuf) {
-    let mut toml = String::new();
-    for w in workers {
-        toml.push_str(&format!(
-            "[[workers]]\nid = \"{}\"\nmodel = \"{MODEL}\"\nversion = \"v1\"\naddr = \"{}\"\n\n",
-            w.id, w.addr
-        ));
-    }
-    let path = dir.join("static.toml");
-    std::fs::write(&path, toml).unwrap();
+    let path = static_file(dir, workers);
     let tls_dir = pki.issue(Role::Router, "router").unwrap();
     let router = RouterProc::start_tls(
         &[
             "--static".into(),
-            path.display().to_string(),
+            path,
             "--tls-reload-ms".into(),
             "200".into(),
         ],

@@ -229,16 +229,7 @@ pub async fn run(
     health_reporter
         .set_serving::<WorkerServer<WorkerService>>()
         .await;
-    let reflection_v1 = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(tokenmesh_proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()
-        .expect("the embedded descriptor sets are valid");
-    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(tokenmesh_proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1alpha()
-        .expect("the embedded descriptor sets are valid");
+    let (reflection_v1, reflection_v1alpha) = tokenmesh_proto::server_support::reflection();
 
     let bound = listener.local_addr().map_err(RunError::Listener)?;
     let (deregister_tx, deregister_rx) = watch::channel(false);

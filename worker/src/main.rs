@@ -14,16 +14,11 @@ async fn main() -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
         .with_context(|| format!("binding {}", cfg.listen))?;
-    tokenmesh_worker::run(cfg, listener, shutdown_signal()).await?;
+    tokenmesh_worker::run(
+        cfg,
+        listener,
+        tokenmesh_proto::server_support::shutdown_signal(),
+    )
+    .await?;
     Ok(())
-}
-
-/// Resolves on SIGTERM or Ctrl-C.
-async fn shutdown_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate()).expect("installing the SIGTERM handler");
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = tokio::signal::ctrl_c() => {}
-    }
 }

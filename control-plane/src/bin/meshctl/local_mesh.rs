@@ -1,12 +1,11 @@
 //! `meshctl up`: a local mesh of one router and N workers as separate
 //! processes, with static discovery (no etcd needed).
+use crate::children::Children;
 use anyhow::{bail, Context};
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 use tokenmesh_proto::v1::ListModelsRequest;
 use tokenmesh_worker::model_cache;
-use tokio::process::{Child, Command};
 
 /// Settings of the local mesh.
 #[derive(clap::Args, Debug, Clone)]
@@ -47,68 +46,6 @@ pub struct UpArgs {
     pub check: bool,
 }
 
-/// The binaries are installed side by side; find a sibling of this executable.
-pub fn sibling(name: &str) -> anyhow::Result<PathBuf> {
-    let me = std::env::current_exe().context("locating meshctl")?;
-    let path = me.with_file_name(name);
-    if !path.is_file() {
-        bail!(
-            "{name} not found next to meshctl at {}; build the workspace (cargo build --release)",
-            path.display()
-        );
-    }
-    Ok(path)
-}
-
-struct Mesh {
-    children: Vec<(String, Child)>,
-}
-
-impl Mesh {
-    async fn stop(&mut self) {
-        for (_, child) in &self.children {
-            if let Some(pid) = child.id() {
-                let _ = nix::sys::signal::kill(
-                    nix::unistd::Pid::from_raw(pid as i32),
-                    nix::sys::signal::Signal::SIGTERM,
-                );
-            }
-        }
-        for (name, child) in &mut self.children {
-            match tokio::time::timeout(Duration::from_secs(15), child.wait()).await {
-                Ok(_) => {}
-                Err(_) => {
-                    eprintln!("{name} did not stop in 15 s; killing it");
-                    let _ = child.kill().await;
-                }
-            }
-        }
-    }
-
-    /// The first child that exited, if any.
-    fn exited(&mut self) -> Option<String> {
-        self.children
-            .iter_mut()
-            .find_map(|(name, c)| match c.try_wait() {
-                Ok(Some(status)) => Some(format!("{name} exited ({status})")),
-                _ => None,
-            })
-    }
-}
-
-fn spawn(name: &str, bin: &Path, args: &[String], log: &Path) -> anyhow::Result<(String, Child)> {
-    let file = std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
-    let child = Command::new(bin)
-        .args(args)
-        .stdout(file.try_clone()?)
-        .stderr(file)
-        .stdin(Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .with_context(|| format!("starting {}", bin.display()))?;
-    Ok((name.to_string(), child))
-}
-
 /// Starts the mesh, waits until it serves, prints how to call it and serves
 /// until Ctrl-C or SIGTERM.
 pub async fn up(args: UpArgs) -> anyhow::Result<()> {
@@ -122,8 +59,8 @@ pub async fn up(args: UpArgs) -> anyhow::Result<()> {
         tokio::task::spawn_blocking(move || model_cache::resolve(&spec, &cache, Some(&python)))
             .await??;
     let model_name = tokenmesh_worker::engine::default_name_of(&model)?;
-    let worker_bin = sibling("tokenmesh-worker")?;
-    let router_bin = sibling("tokenmesh-router")?;
+    let worker_bin = crate::children::sibling("tokenmesh-worker")?;
+    let router_bin = crate::children::sibling("tokenmesh-router")?;
     let run_dir = match &args.run_dir {
         Some(d) => d.clone(),
         None => std::env::temp_dir().join(format!("tokenmesh-{}", std::process::id())),
@@ -156,7 +93,7 @@ pub async fn up(args: UpArgs) -> anyhow::Result<()> {
         }
     };
 
-    let mut mesh = Mesh { children: vec![] };
+    let mut mesh = Children::default();
     let mut static_toml = String::new();
     eprintln!(
         "starting {} workers of {model_name} ({})",
@@ -185,12 +122,7 @@ pub async fn up(args: UpArgs) -> anyhow::Result<()> {
             "--threads".into(),
             threads.to_string(),
         ]);
-        mesh.children.push(spawn(
-            &id,
-            &worker_bin,
-            &wargs,
-            &run_dir.join(format!("{id}.log")),
-        )?);
+        mesh.spawn(&id, &worker_bin, &wargs, &run_dir.join(format!("{id}.log")))?;
         static_toml.push_str(&format!(
             "[[workers]]\nid = \"{id}\"\nmodel = \"{model_name}\"\nversion = \"v1\"\naddr = \"http://127.0.0.1:{port}\"\n\n"
         ));
@@ -205,12 +137,7 @@ pub async fn up(args: UpArgs) -> anyhow::Result<()> {
         "--static".into(),
         static_path.display().to_string(),
     ]);
-    mesh.children.push(spawn(
-        "router",
-        &router_bin,
-        &rargs,
-        &run_dir.join("router.log"),
-    )?);
+    mesh.spawn("router", &router_bin, &rargs, &run_dir.join("router.log"))?;
 
     if let Err(e) = wait_ready(
         &mut mesh,
@@ -221,7 +148,7 @@ pub async fn up(args: UpArgs) -> anyhow::Result<()> {
     )
     .await
     {
-        mesh.stop().await;
+        mesh.stop(Duration::from_secs(15)).await;
         bail!("{e:#}\nlogs are in {}", run_dir.display());
     }
     let body = format!(
@@ -255,7 +182,7 @@ pub async fn up(args: UpArgs) -> anyhow::Result<()> {
         dir = run_dir.display()
     );
     if args.check {
-        mesh.stop().await;
+        mesh.stop(Duration::from_secs(15)).await;
         return Ok(());
     }
     println!("press Ctrl-C to stop");
@@ -268,20 +195,20 @@ pub async fn up(args: UpArgs) -> anyhow::Result<()> {
             _ = poll.tick() => {
                 if let Some(what) = mesh.exited() {
                     eprintln!("{what}; stopping the mesh (logs in {})", run_dir.display());
-                    mesh.stop().await;
+                    mesh.stop(Duration::from_secs(15)).await;
                     bail!("{what}");
                 }
             }
         }
     }
     eprintln!("stopping");
-    mesh.stop().await;
+    mesh.stop(Duration::from_secs(15)).await;
     Ok(())
 }
 
 /// Polls the router until every worker is ready, failing fast if a process dies.
 async fn wait_ready(
-    mesh: &mut Mesh,
+    mesh: &mut Children,
     listen: &str,
     certs: Option<&Path>,
     model: &str,

@@ -1,5 +1,6 @@
 //! `meshctl`: the operator's command line for tokenmesh.
 mod bench;
+mod children;
 mod client;
 mod local_mesh;
 

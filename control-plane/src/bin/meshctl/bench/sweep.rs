@@ -8,15 +8,14 @@ use super::report::{self, Format, Report};
 use super::transport::TlsArgs;
 use super::workload::Spread;
 use super::OutputArgs;
+use crate::children::Children;
 use anyhow::{bail, Context};
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 use tokenmesh_proto::v1::inference_client::InferenceClient;
 use tokenmesh_proto::v1::ListModelsRequest;
-use tokio::process::{Child, Command};
 
 /// Which engine the sweep's workers run.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -80,52 +79,6 @@ pub struct SweepArgs {
     pub out_dir: PathBuf,
 }
 
-/// Processes of one configuration, stopped (then killed) on drop.
-struct Procs(Vec<(String, Child)>);
-
-impl Procs {
-    async fn stop(mut self) {
-        for (_, child) in &self.0 {
-            if let Some(pid) = child.id() {
-                let _ = nix::sys::signal::kill(
-                    nix::unistd::Pid::from_raw(pid as i32),
-                    nix::sys::signal::Signal::SIGTERM,
-                );
-            }
-        }
-        for (name, child) in &mut self.0 {
-            if tokio::time::timeout(Duration::from_secs(10), child.wait())
-                .await
-                .is_err()
-            {
-                eprintln!("{name} did not stop in 10 s; killing it");
-                let _ = child.kill().await;
-            }
-        }
-        self.0.clear();
-    }
-
-    fn exited(&mut self) -> Option<String> {
-        self.0.iter_mut().find_map(|(name, c)| match c.try_wait() {
-            Ok(Some(status)) => Some(format!("{name} exited ({status})")),
-            _ => None,
-        })
-    }
-}
-
-fn spawn(name: &str, bin: &Path, args: &[String], log: &Path) -> anyhow::Result<(String, Child)> {
-    let file = std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
-    let child = Command::new(bin)
-        .args(args)
-        .stdout(file.try_clone()?)
-        .stderr(file)
-        .stdin(Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .with_context(|| format!("starting {}", bin.display()))?;
-    Ok((name.to_string(), child))
-}
-
 fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
@@ -141,8 +94,8 @@ struct Plan {
 }
 
 async fn plan(args: &SweepArgs) -> anyhow::Result<Plan> {
-    let worker_bin = crate::local_mesh::sibling("tokenmesh-worker")?;
-    let router_bin = crate::local_mesh::sibling("tokenmesh-router")?;
+    let worker_bin = crate::children::sibling("tokenmesh-worker")?;
+    let router_bin = crate::children::sibling("tokenmesh-router")?;
     let (engine_args, model_name) = match args.engine {
         Engine::Synthetic => (
             vec![
@@ -191,8 +144,8 @@ async fn start_mesh(
     workers: u32,
     max_batch: u32,
     dir: &Path,
-) -> anyhow::Result<(Procs, String)> {
-    let mut procs = Procs(vec![]);
+) -> anyhow::Result<(Children, String)> {
+    let mut procs = Children::default();
     let mut static_toml = String::new();
     for i in 0..workers {
         let id = format!("w{}-b{max_batch}-{}", workers, i + 1);
@@ -213,12 +166,12 @@ async fn start_mesh(
             "warn".into(),
         ];
         wargs.extend(plan.engine_args.iter().cloned());
-        procs.0.push(spawn(
+        procs.spawn(
             &id,
             &plan.worker_bin,
             &wargs,
             &dir.join(format!("{id}.log")),
-        )?);
+        )?;
         static_toml.push_str(&format!(
             "[[workers]]\nid = \"{id}\"\nmodel = \"{}\"\nversion = \"v1\"\naddr = \"http://127.0.0.1:{port}\"\ncapacity = {max_batch}\n\n",
             plan.model_name
@@ -242,20 +195,20 @@ async fn start_mesh(
         "--log".into(),
         "warn".into(),
     ];
-    procs.0.push(spawn(
+    procs.spawn(
         "router",
         &plan.router_bin,
         &rargs,
         &dir.join(format!("router-w{workers}-b{max_batch}.log")),
-    )?);
+    )?;
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         if let Some(what) = procs.exited() {
-            procs.stop().await;
+            procs.stop(Duration::from_secs(10)).await;
             bail!("{what}; logs in {}", dir.display());
         }
         if Instant::now() > deadline {
-            procs.stop().await;
+            procs.stop(Duration::from_secs(10)).await;
             bail!(
                 "the mesh was not ready within 60 s; logs in {}",
                 dir.display()
@@ -302,7 +255,7 @@ pub async fn run(args: SweepArgs, output: &OutputArgs) -> anyhow::Result<()> {
     let mut done = 0;
     for &w in &args.workers {
         for &b in &args.max_batch {
-            let (procs, router) = start_mesh(&plan, &args, w, b, &logs).await?;
+            let (mut procs, router) = start_mesh(&plan, &args, w, b, &logs).await?;
             for &c in &args.concurrency {
                 done += 1;
                 eprintln!("[{done}/{total}] workers={w} max_batch={b} concurrency={c}");
@@ -327,7 +280,7 @@ pub async fn run(args: SweepArgs, output: &OutputArgs) -> anyhow::Result<()> {
                 let run = match load::run(&load, output.progress()).await {
                     Ok(run) => run,
                     Err(e) => {
-                        procs.stop().await;
+                        procs.stop(Duration::from_secs(10)).await;
                         return Err(e.context(format!("workers={w} max_batch={b} concurrency={c}")));
                     }
                 };
@@ -352,7 +305,7 @@ pub async fn run(args: SweepArgs, output: &OutputArgs) -> anyhow::Result<()> {
                 }
                 results.insert((w, b, c), r);
             }
-            procs.stop().await;
+            procs.stop(Duration::from_secs(10)).await;
         }
     }
     if output.output == Format::Markdown {
