@@ -31,7 +31,7 @@ for _ in $(seq 100); do
   sleep 0.2
 done
 for c in 1 4 16 32; do
-  target/release/meshctl bench --target "127.0.0.1:$PORT" --worker --concurrency "$c" \
+  target/release/meshctl bench --target "127.0.0.1:$PORT" --direct --concurrency "$c" --no-progress \
     --requests $((c * 8)) --max-tokens 128 --output json | tee -a "$OUT/bench.jsonl"
 done
 echo "results in $OUT"
