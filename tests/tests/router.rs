@@ -382,14 +382,22 @@ async fn overload_is_refused_at_once_and_the_router_recovers() {
     };
     // With both slots taken and the queue full, refusals come at once. (One
     // of these may take the queue slot before the spawned request does; it is
-    // then refused after the bounded wait instead.)
+    // then refused after the bounded wait instead.) They are sent together:
+    // sent one after another, a request that took the queue slot from the
+    // spawned one would leave the queue empty again for each next one, and
+    // each would wait the full bound.
+    let refusals = futures::future::join_all((0..6).map(|_| {
+        let mut c = client.clone();
+        async move {
+            let t = Instant::now();
+            let r = c.generate(counting(4)).await;
+            (r, t.elapsed())
+        }
+    }))
+    .await;
     let mut immediate = 0;
-    for _ in 0..6 {
-        let t = Instant::now();
-        let status = client
-            .generate(counting(4))
-            .await
-            .expect_err("no slot is free");
+    for (r, took) in refusals {
+        let status = r.expect_err("no slot is free");
         assert_eq!(
             status.code(),
             Code::ResourceExhausted,
@@ -402,7 +410,6 @@ async fn overload_is_refused_at_once_and_the_router_recovers() {
             status.message()
         );
         assert!(status.metadata().get("retry-after-ms").is_some());
-        let took = t.elapsed();
         assert!(took < Duration::from_millis(900), "refusal took {took:?}");
         if took < Duration::from_millis(250) {
             immediate += 1;
