@@ -7,8 +7,15 @@
 # (4) the 27-point sweep with heatmaps,
 # (5) the streamed tokens/s ceiling: a fast synthetic engine (1000 tok/s per
 #     sequence, 100 streams) directly and through the router, with the
-#     router's CPU time per run.
-# ONLY="synthetic real llamacpp sweep ceiling" picks sections.
+#     router's CPU time per run,
+# (6) proxies: the same load directly to a worker, through tokenmesh-router and
+#     through nginx as a plain gRPC proxy (grpc_pass), interleaved, at 100
+#     streams, for added time to first token, then at the ceiling load with
+#     each proxy's CPU time (needs nginx: apt-get install nginx),
+# (7) observability: the router and worker with tracing (OTLP export to
+#     scripts/otlp_sink.py, or to a closed port with OTLP_SINK=down) and
+#     metrics on, against a mesh with both off, interleaved.
+# ONLY="synthetic real llamacpp sweep ceiling proxies observability" picks sections.
 # Results go to $OUT (default bench-results/). Every run is short: the whole
 # script takes about ten minutes on two cores.
 set -euo pipefail
@@ -20,33 +27,95 @@ LLAMACPP_PYTHON=${LLAMACPP_PYTHON:-/tmp/llamacpp-venv/bin/python}
 mkdir -p "$OUT"
 cargo build --release --workspace
 BIN=target/release
-MODEL=$($BIN/meshctl fetch-model --python "${TOKENMESH_PYTHON:-python3}")
 
 want() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
+if want real || want llamacpp; then
+  MODEL=$($BIN/meshctl fetch-model --python "${TOKENMESH_PYTHON:-python3}")
+fi
 cpu_secs() { # utime + stime of a process, seconds
   awk -v hz="$(getconf CLK_TCK)" '{ print ($14 + $15) / hz }' "/proc/$1/stat"
 }
-pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
+pids=(); tmpdirs=()
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true
+  for d in "${tmpdirs[@]}"; do rm -rf "$d"; done
+}
 trap cleanup EXIT
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 wait_for() { # wait until meshctl can list models at $1
-  for _ in $(seq 100); do $BIN/meshctl models --router "$1" >/dev/null 2>&1 && return 0; sleep 0.1; done
+  for _ in $(seq 100); do $BIN/meshctl models --insecure --router "$1" >/dev/null 2>&1 && return 0; sleep 0.1; done
   echo "nothing serves on $1" >&2; return 1
 }
-mesh() { # mesh NAME MODEL_NAME WORKER_ARGS...: one worker and a router; sets WORKER and ROUTER
+ROUTER_ARGS=() # extra router flags for the next mesh
+mesh() { # mesh NAME MODEL_NAME WORKER_ARGS...: one worker and a router; sets WORKER, ROUTER, ROUTER_PID
   local name=$1 model=$2; shift 2
   local wp rp; wp=$(free_port); rp=$(free_port)
   $BIN/tokenmesh-worker --insecure --listen 127.0.0.1:$wp --worker-id "$name" --model-name "$model" --log warn "$@" \
     >"$OUT/$name-worker.log" 2>&1 & pids+=($!)
   printf '[[workers]]\nid = "%s"\nmodel = "%s"\nversion = "v1"\naddr = "http://127.0.0.1:%s"\n\n[models."%s"]\nstable = "v1"\n' \
     "$name" "$model" "$wp" "$model" >"$OUT/$name-static.toml"
-  $BIN/tokenmesh-router --insecure --listen 127.0.0.1:$rp --static "$OUT/$name-static.toml" --log warn \
+  $BIN/tokenmesh-router --insecure --listen 127.0.0.1:$rp --static "$OUT/$name-static.toml" --log warn "${ROUTER_ARGS[@]}" \
     >"$OUT/$name-router.log" 2>&1 & pids+=($!)
   WORKER=127.0.0.1:$wp; ROUTER=127.0.0.1:$rp; ROUTER_PID=$!
   wait_for "$ROUTER"
-  for _ in $(seq 100); do $BIN/meshctl models --router "$ROUTER" | grep -q " 1  $name" && return 0; sleep 0.1; done
+  for _ in $(seq 100); do $BIN/meshctl models --insecure --router "$ROUTER" | grep -q " 1  $name" && return 0; sleep 0.1; done
+}
+
+tag() { # tag PATH REP: adds labels.path and labels.rep to the JSON report lines on stdin
+  python3 -c 'import json, sys
+for line in sys.stdin:
+    if line.strip():
+        r = json.loads(line); r["labels"]["path"] = sys.argv[1]; r["labels"]["rep"] = sys.argv[2]
+        print(json.dumps(r))' "$1" "$2"
+}
+tree_cpu_secs() { # CPU seconds of a process and its children (nginx: master and workers)
+  local total=0 p
+  for p in "$1" $(pgrep -P "$1" || true); do total=$(awk -v a="$total" -v b="$(cpu_secs "$p")" 'BEGIN { print a + b }'); done
+  echo "$total"
+}
+wait_port() { # wait until something accepts TCP connections on $1 (host:port)
+  for _ in $(seq 100); do
+    python3 -c 'import socket, sys; h, p = sys.argv[1].rsplit(":", 1); socket.create_connection((h, int(p)), 0.2)' "$1" 2>/dev/null && return 0
+    sleep 0.1
+  done
+  echo "nothing listens on $1" >&2; return 1
+}
+start_nginx() { # start_nginx NAME UPSTREAM: nginx as a plain gRPC proxy to UPSTREAM; sets NGINX, NGINX_PID
+  local name=$1 upstream=$2 np d
+  np=$(free_port); d=$(mktemp -d); tmpdirs+=("$d")
+  # Plain grpc_pass with an upstream keepalive pool; one worker process per
+  # core (auto), access log off. keepalive_requests is raised from its
+  # default of 1000: at 1000 requests nginx sends the client's connection a
+  # GOAWAY, and with the load generator's one connection that failed one
+  # stream in flight per 1000 requests (one INTERNAL, one CANCELLED).
+  cat >"$d/nginx.conf" <<EOF
+worker_processes ${NGINX_WORKERS:-auto};
+daemon off;
+pid $d/nginx.pid;
+error_log $d/error.log warn;
+events { worker_connections 4096; }
+http {
+  access_log off;
+  client_body_temp_path $d/body; proxy_temp_path $d/proxy; fastcgi_temp_path $d/fastcgi;
+  uwsgi_temp_path $d/uwsgi; scgi_temp_path $d/scgi;
+  upstream worker { server $upstream; keepalive 256; keepalive_requests 1000000; }
+  server {
+    listen 127.0.0.1:$np http2;
+    keepalive_requests 1000000;
+    http2_max_concurrent_streams 1024;
+    location / {
+      grpc_pass grpc://worker;
+      grpc_read_timeout 300s;
+      grpc_send_timeout 300s;
+    }
+  }
+}
+EOF
+  cp "$d/nginx.conf" "$OUT/$name-nginx.conf"
+  nginx -c "$d/nginx.conf" -p "$d" >"$OUT/$name-nginx.log" 2>&1 & pids+=($!)
+  NGINX=127.0.0.1:$np; NGINX_PID=$!
+  wait_port "$NGINX"
 }
 
 if want synthetic; then
@@ -109,7 +178,97 @@ done
 cleanup; pids=()
 fi
 
-for f in synthetic real ceiling; do
+if want proxies; then
+echo "== proxies: direct vs tokenmesh-router vs nginx (grpc_pass), 100 streams"
+command -v nginx >/dev/null || { echo "nginx is not installed (apt-get install nginx)" >&2; exit 1; }
+{ nginx -v 2>&1; nproc; uptime; } | tee "$OUT/proxies-machine.txt"
+# (a) added time to first token: 100 tokens/s per sequence, 50 tokens.
+mesh proxies synthetic --engine synthetic --synthetic-tokens-per-sec 100 --max-batch 256 --queue-capacity 1024
+start_nginx proxies "$WORKER"
+: >"$OUT/proxies.jsonl"
+for rep in $(seq "$REPS"); do
+  for to in direct router nginx; do
+    case $to in
+      direct) args=(--direct --target "$WORKER") ;;
+      router) args=(--target "$ROUTER") ;;
+      nginx) args=(--direct --target "$NGINX") ;; # nginx forwards Worker.Generate as is
+    esac
+    $BIN/meshctl bench "${args[@]}" --concurrency 100 --max-tokens 50 --prompt-words 32 \
+      --duration 5 --warmup 1 --seed "$rep" --output json --no-progress | tag $to "$rep" >>"$OUT/proxies.jsonl"
+  done
+done
+cleanup; pids=()
+# (b) the ceiling: 1000 tokens/s per sequence, 200 tokens, with each proxy's CPU time.
+mesh proxies-ceiling synthetic --engine synthetic --synthetic-tokens-per-sec 1000 --max-batch 256 --queue-capacity 1024
+start_nginx proxies-ceiling "$WORKER"
+: >"$OUT/proxies-ceiling.jsonl"; : >"$OUT/proxies-ceiling-cpu.txt"
+for rep in $(seq "$REPS"); do
+  for to in direct router nginx; do
+    case $to in
+      direct) args=(--direct --target "$WORKER"); pid=$$ ;; # no proxy: the figure is meaningless
+      router) args=(--target "$ROUTER"); pid=$ROUTER_PID ;;
+      nginx) args=(--direct --target "$NGINX"); pid=$NGINX_PID ;;
+    esac
+    before=$(tree_cpu_secs "$pid"); t0=$(date +%s.%N)
+    line=$($BIN/meshctl bench "${args[@]}" --concurrency 100 --max-tokens 200 --prompt-words 32 \
+      --duration 4 --warmup 1 --seed "$rep" --output json --no-progress | tag $to "$rep")
+    echo "$line" >>"$OUT/proxies-ceiling.jsonl"
+    cpu=$(awk -v a="$before" -v b="$(tree_cpu_secs "$pid")" 'BEGIN { print b - a }')
+    wall=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { print b - a }')
+    # Tokens the proxy streamed in the whole run (warm-up, window, drain) per
+    # CPU-second it used; the window's rate times the wall time approximates them.
+    tps=$(echo "$line" | python3 -c 'import json, sys; print(json.loads(sys.stdin.read())["output_tokens_per_sec"])')
+    [ $to = direct ] && { echo "direct rep $rep: tokens/s $tps" | tee -a "$OUT/proxies-ceiling-cpu.txt"; continue; }
+    echo "$to rep $rep: tokens/s $tps, proxy CPU $cpu s over $wall s wall, streamed tokens per proxy CPU-second $(awk -v t="$tps" -v c="$cpu" -v w="$wall" 'BEGIN { if (c > 0) printf "%.0f", t * w / c; else print "n/a" }')" \
+      | tee -a "$OUT/proxies-ceiling-cpu.txt"
+  done
+done
+cleanup; pids=()
+python3 scripts/bench_compare.py "$OUT/proxies.jsonl" | tee "$OUT/proxies-compare.md"
+python3 scripts/bench_compare.py "$OUT/proxies-ceiling.jsonl" | tee "$OUT/proxies-ceiling-compare.md"
+fi
+
+if want observability; then
+echo "== observability: router tracing + metrics on vs off, 100 streams"
+SINK_PYTHON=${SINK_PYTHON:-${TOKENMESH_PYTHON:-python3}}
+sink_port=$(free_port)
+if [ "${OTLP_SINK:-up}" = up ]; then
+  "$SINK_PYTHON" scripts/otlp_sink.py "$sink_port" >"$OUT/otlp-sink.log" 2>&1 & pids+=($!)
+  wait_port "127.0.0.1:$sink_port"
+fi # else nothing listens there: the collector is down
+{ echo "collector: ${OTLP_SINK:-up} (127.0.0.1:$sink_port)"
+  echo "sampler: ${OTEL_TRACES_SAMPLER:-default (parent-based, always on)} ${OTEL_TRACES_SAMPLER_ARG:-}"
+  nproc; uptime; } | tee "$OUT/observability-machine.txt"
+obs_args=(--engine synthetic --synthetic-tokens-per-sec 1000 --max-batch 256 --queue-capacity 1024)
+ROUTER_ARGS=()
+mesh obs-off synthetic "${obs_args[@]}"
+OFF_WORKER=$WORKER; OFF_ROUTER=$ROUTER; OFF_PID=$ROUTER_PID
+ROUTER_ARGS=(--otlp-endpoint "http://127.0.0.1:$sink_port" --metrics-listen "127.0.0.1:$(free_port)")
+mesh obs-on synthetic "${obs_args[@]}" --otlp-endpoint "http://127.0.0.1:$sink_port" --metrics-listen "127.0.0.1:$(free_port)"
+ON_ROUTER=$ROUTER; ON_PID=$ROUTER_PID
+ROUTER_ARGS=()
+: >"$OUT/observability.jsonl"; : >"$OUT/observability-cpu.txt"
+for rep in $(seq "$REPS"); do
+  for to in direct router-off router-on; do
+    case $to in
+      direct) args=(--direct --target "$OFF_WORKER"); pid=$OFF_PID ;;
+      router-off) args=(--target "$OFF_ROUTER"); pid=$OFF_PID ;;
+      router-on) args=(--target "$ON_ROUTER"); pid=$ON_PID ;;
+    esac
+    before=$(cpu_secs "$pid")
+    $BIN/meshctl bench "${args[@]}" --concurrency 100 --max-tokens 50 --prompt-words 32 \
+      --duration 5 --warmup 1 --seed "$rep" --output json --no-progress | tag $to "$rep" >>"$OUT/observability.jsonl"
+    echo "$to rep $rep: router CPU $(awk -v a="$before" -v b="$(cpu_secs "$pid")" 'BEGIN { print b - a }') s" \
+      | tee -a "$OUT/observability-cpu.txt"
+  done
+done
+cleanup; pids=()
+[ -s "$OUT/otlp-sink.log" ] && cat "$OUT/otlp-sink.log"
+python3 scripts/bench_compare.py "$OUT/observability.jsonl" | tee "$OUT/observability-compare.md"
+python3 scripts/bench_compare.py "$OUT/observability.jsonl" --baseline router-off | tee -a "$OUT/observability-compare.md"
+fi
+
+for f in synthetic real ceiling proxies proxies-ceiling observability; do
   [ -s "$OUT/$f.jsonl" ] && python3 scripts/bench_summary.py "$OUT/$f.jsonl" | tee "$OUT/$f.md"
 done
 echo "results in $OUT"

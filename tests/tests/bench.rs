@@ -1,10 +1,12 @@
 //! The load generator checked against a known source: a synthetic worker at a
 //! set token rate. `meshctl bench` runs as the real binary with JSON output,
 //! directly against the worker and through a router, and must measure the
-//! configured tokens/s and inter-token latency within 5 %.
+//! configured tokens/s and inter-token latency within 5 %; and the same
+//! through a router that demands mutual TLS, with `--tls-dir`.
 use anyhow::{Context, Result};
 use serde_json::Value;
-use tokenmesh_tests::{bin, RouterProc, WorkerOpts, WorkerProc};
+use tokenmesh_certs::Role;
+use tokenmesh_tests::{bin, Pki, RouterProc, WorkerOpts, WorkerProc};
 
 const RATE: f64 = 50.0; // tokens/s per sequence: one every 20 ms
 const STREAMS: f64 = 4.0;
@@ -123,4 +125,59 @@ async fn bench_measures_the_synthetic_engine_rate_within_5_percent() {
     let routed = bench(&["--target", &router.addr]).await.unwrap();
     assert_eq!(routed["labels"]["api"], "router");
     check(&routed);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bench_loads_a_mutual_tls_router_with_tls_dir() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = Pki::new().unwrap();
+    let opts = WorkerOpts {
+        synthetic_tokens_per_sec: Some(RATE),
+        extra: vec!["--model-name".into(), "synthetic".into()],
+        tls: Some((
+            pki.issue(Role::Worker, "w-tls").unwrap(),
+            pki.creds(Role::Router, "probe").unwrap(),
+        )),
+        ..WorkerOpts::new("w-tls")
+    };
+    let worker = WorkerProc::start(opts, dir.path()).await.unwrap();
+    let static_file = dir.path().join("static.toml");
+    std::fs::write(
+        &static_file,
+        format!(
+            "[[workers]]\nid = \"w-tls\"\nmodel = \"synthetic\"\nversion = \"v1\"\naddr = \"{}\"\n\n[models.\"synthetic\"]\nstable = \"v1\"\n",
+            worker.addr
+        ),
+    )
+    .unwrap();
+    let router = RouterProc::start_tls(
+        &["--static".into(), static_file.display().to_string()],
+        Some((
+            pki.issue(Role::Router, "router").unwrap(),
+            pki.creds(Role::Client, "harness").unwrap(),
+        )),
+        dir.path(),
+    )
+    .await
+    .unwrap();
+    router
+        .wait_ready_workers("synthetic", 1, std::time::Duration::from_secs(10))
+        .await
+        .unwrap();
+    let client_dir = pki.issue(Role::Client, "bench").unwrap();
+    let client_dir = client_dir.display().to_string();
+    let routed = bench(&["--target", &router.addr, "--tls-dir", &client_dir])
+        .await
+        .unwrap();
+    assert_eq!(routed["labels"]["api"], "router");
+    check(&routed);
+
+    // Plaintext against the mTLS router fails with a clear error, not a hang.
+    let err = bench(&["--target", &router.addr, "--duration", "1"])
+        .await
+        .expect_err("a plaintext client is refused");
+    assert!(
+        format!("{err:#}").contains("meshctl bench failed"),
+        "{err:#}"
+    );
 }

@@ -244,6 +244,87 @@ async fn frozen_worker_is_ejected_and_returns() {
         .unwrap();
 }
 
+/// Load spread (issue 5, test 4): power of two choices on live load sends a
+/// slow worker fewer streams than round-robin's half. Two synthetic workers,
+/// one ten times slower than the other, both with room for every stream; the
+/// count of streams each served (Finished.worker_id) is what is checked, not
+/// a time, so a loaded machine changes the margin little.
+#[tokio::test(flavor = "multi_thread")]
+async fn p2c_sends_a_slow_worker_fewer_streams() {
+    const REQUESTS: usize = 40;
+    const AT_ONCE: usize = 8;
+    let dir = tempfile::tempdir().unwrap();
+    let mut workers = Vec::new();
+    for (id, rate) in [("w-fast", 200.0), ("w-slow", 20.0)] {
+        let opts = WorkerOpts {
+            synthetic_tokens_per_sec: Some(rate),
+            extra: vec![
+                "--model-name".into(),
+                MODEL.into(),
+                "--max-batch".into(),
+                "32".into(),
+            ],
+            ..WorkerOpts::new(id)
+        };
+        workers.push(WorkerProc::start(opts, dir.path()).await.unwrap());
+    }
+    let file = static_file(dir.path(), &[&workers[0], &workers[1]]);
+    let router = RouterProc::start(&["--static".into(), file], dir.path())
+        .await
+        .unwrap();
+    router
+        .wait_ready_workers(MODEL, 2, Duration::from_secs(10))
+        .await
+        .unwrap();
+    // 20 tokens: 0.1 s on the fast worker, 1 s on the slow one.
+    let req = GenerateRequest {
+        prompt: "Spread these streams".into(),
+        ..counting(20)
+    };
+    let client = router.client().await;
+    let started = Instant::now();
+    // AT_ONCE streams take the next of REQUESTS requests as they finish one,
+    // so the run ends when the 40th does, not when the unluckiest stream has
+    // sent a fixed share through the slow worker.
+    let next = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for _ in 0..AT_ONCE {
+        let mut c = client.clone();
+        let req = req.clone();
+        let next = next.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut served = Vec::new();
+            while next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < REQUESTS {
+                let out = collect(&mut c, req.clone()).await.unwrap();
+                assert_eq!(out.token_ids.len(), 20);
+                served.push(out.finished.expect("Finished").worker_id);
+            }
+            served
+        }));
+    }
+    let mut counts = HashMap::<String, usize>::new();
+    for t in tasks {
+        for w in t.await.unwrap() {
+            *counts.entry(w).or_default() += 1;
+        }
+    }
+    let took = started.elapsed();
+    let slow = counts.get("w-slow").copied().unwrap_or(0);
+    let fast = counts.get("w-fast").copied().unwrap_or(0);
+    eprintln!("streams per worker: {counts:?} in {took:?}");
+    assert_eq!(slow + fast, REQUESTS, "{counts:?}");
+    // Round-robin would give the slow worker 20. Balancing on streams in
+    // flight keeps about as many open on each, so the slow one, ten times
+    // slower to finish, serves about one stream in ten (its share of the
+    // first eight and little after); 12 (30 %) leaves room for a loaded
+    // machine's scheduling noise.
+    assert!(
+        slow <= REQUESTS * 3 / 10,
+        "slow worker served {slow} of {REQUESTS} streams ({counts:?}, {took:?})"
+    );
+    assert!(slow >= 1, "the slow worker is still used: {counts:?}");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn overload_is_refused_at_once_and_the_router_recovers() {
     let dir = tempfile::tempdir().unwrap();
@@ -288,14 +369,22 @@ async fn overload_is_refused_at_once_and_the_router_recovers() {
     };
     // With both slots taken and the queue full, refusals come at once. (One
     // of these may take the queue slot before the spawned request does; it is
-    // then refused after the bounded wait instead.)
+    // then refused after the bounded wait instead.) They are sent together:
+    // sent one after another, a request that took the queue slot from the
+    // spawned one would leave the queue empty again for each next one, and
+    // each would wait the full bound.
+    let refusals = futures::future::join_all((0..6).map(|_| {
+        let mut c = client.clone();
+        async move {
+            let t = Instant::now();
+            let r = c.generate(counting(4)).await;
+            (r, t.elapsed())
+        }
+    }))
+    .await;
     let mut immediate = 0;
-    for _ in 0..6 {
-        let t = Instant::now();
-        let status = client
-            .generate(counting(4))
-            .await
-            .expect_err("no slot is free");
+    for (r, took) in refusals {
+        let status = r.expect_err("no slot is free");
         assert_eq!(
             status.code(),
             Code::ResourceExhausted,
@@ -308,7 +397,6 @@ async fn overload_is_refused_at_once_and_the_router_recovers() {
             status.message()
         );
         assert!(status.metadata().get("retry-after-ms").is_some());
-        let took = t.elapsed();
         assert!(took < Duration::from_millis(900), "refusal took {took:?}");
         if took < Duration::from_millis(250) {
             immediate += 1;
