@@ -3,6 +3,7 @@
 //! header names. No business logic lives here.
 #![forbid(unsafe_code)]
 
+pub mod codes;
 pub mod deadline;
 pub mod keys;
 pub mod records;

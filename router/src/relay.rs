@@ -341,7 +341,7 @@ impl Drop for StreamMeter {
             "llm_request_total",
             "model" => self.model.clone(),
             "version" => self.version.clone(),
-            "code" => crate::server::code_name(self.code)
+            "code" => tokenmesh_proto::codes::code_name(self.code)
         )
         .increment(1);
         if !matches!(self.code, tonic::Code::Ok | tonic::Code::Cancelled) {

@@ -6,6 +6,7 @@ use crate::registry::Registry;
 use crate::relay::{self, RelayContext};
 use std::sync::Arc;
 use std::time::Instant;
+use tokenmesh_proto::codes::code_name;
 use tokenmesh_proto::headers;
 use tokenmesh_proto::telemetry;
 use tokenmesh_proto::v1::inference_server::Inference;
@@ -177,30 +178,6 @@ impl InferenceService {
             response.metadata_mut().insert(headers::WORKER, v);
         }
         Ok(response)
-    }
-}
-
-/// The status code's canonical name, as a metric label.
-pub fn code_name(code: tonic::Code) -> &'static str {
-    use tonic::Code::*;
-    match code {
-        Ok => "OK",
-        Cancelled => "CANCELLED",
-        Unknown => "UNKNOWN",
-        InvalidArgument => "INVALID_ARGUMENT",
-        DeadlineExceeded => "DEADLINE_EXCEEDED",
-        NotFound => "NOT_FOUND",
-        AlreadyExists => "ALREADY_EXISTS",
-        PermissionDenied => "PERMISSION_DENIED",
-        ResourceExhausted => "RESOURCE_EXHAUSTED",
-        FailedPrecondition => "FAILED_PRECONDITION",
-        Aborted => "ABORTED",
-        OutOfRange => "OUT_OF_RANGE",
-        Unimplemented => "UNIMPLEMENTED",
-        Internal => "INTERNAL",
-        Unavailable => "UNAVAILABLE",
-        DataLoss => "DATA_LOSS",
-        Unauthenticated => "UNAUTHENTICATED",
     }
 }
 

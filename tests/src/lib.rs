@@ -629,3 +629,16 @@ pub async fn wait_idle(worker: &WorkerProc, timeout: Duration) -> bool {
     })
     .await
 }
+
+/// A plaintext router over a static file listing `workers`, started with the
+/// `extra` flags, once every listed worker is ready behind it.
+pub async fn static_router(dir: &Path, workers: &[&WorkerProc], extra: &[&str]) -> RouterProc {
+    let mut args = vec!["--static".to_string(), static_file(dir, workers)];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let router = RouterProc::start(&args, dir).await.expect("router starts");
+    router
+        .wait_ready_workers(MODEL, workers.len(), Duration::from_secs(20))
+        .await
+        .expect("every worker becomes ready behind the router");
+    router
+}

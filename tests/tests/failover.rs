@@ -1,5 +1,4 @@
 //! Failover: a worker killed mid-stream is replaced without the client noticing.
-use std::time::Duration;
 use tokenmesh_proto::v1::generate_response::Event;
 use tokenmesh_proto::v1::GenerateRequest;
 use tokenmesh_tests::*;
@@ -13,14 +12,7 @@ async fn sigkill_mid_stream_continues_on_another_worker_token_for_token() {
     let b = WorkerProc::start(WorkerOpts::new("w-2"), dir.path())
         .await
         .unwrap();
-    let path = static_file(dir.path(), &[&a, &b]);
-    let router = RouterProc::start(&["--static".into(), path], dir.path())
-        .await
-        .unwrap();
-    router
-        .wait_ready_workers(MODEL, 2, Duration::from_secs(20))
-        .await
-        .unwrap();
+    let router = static_router(dir.path(), &[&a, &b], &[]).await;
     let mut client = router.client().await;
     let req = GenerateRequest {
         model: MODEL.into(),

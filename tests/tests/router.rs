@@ -174,24 +174,17 @@ async fn frozen_worker_is_ejected_and_returns() {
     let b = WorkerProc::start(WorkerOpts::new("w-alive"), dir.path())
         .await
         .unwrap();
-    let file = static_file(dir.path(), &[&a, &b]);
-    let router = RouterProc::start(
-        &[
-            "--static".into(),
-            file,
-            "--keepalive-interval-ms".into(),
-            "500".into(),
-            "--keepalive-timeout-ms".into(),
-            "500".into(),
-        ],
+    let router = static_router(
         dir.path(),
+        &[&a, &b],
+        &[
+            "--keepalive-interval-ms",
+            "500",
+            "--keepalive-timeout-ms",
+            "500",
+        ],
     )
-    .await
-    .unwrap();
-    router
-        .wait_ready_workers(MODEL, 2, Duration::from_secs(20))
-        .await
-        .unwrap();
+    .await;
     let mut client = router.client().await;
 
     // A stream running on the worker that freezes moves to the other one.
@@ -331,26 +324,19 @@ async fn overload_is_refused_at_once_and_the_router_recovers() {
     let w = WorkerProc::start(WorkerOpts::new("w-busy"), dir.path())
         .await
         .unwrap();
-    let file = static_file(dir.path(), &[&w]);
-    let router = RouterProc::start(
-        &[
-            "--static".into(),
-            file,
-            "--max-in-flight".into(),
-            "2".into(),
-            "--max-queued".into(),
-            "1".into(),
-            "--max-queue-wait-ms".into(),
-            "300".into(),
-        ],
+    let router = static_router(
         dir.path(),
+        &[&w],
+        &[
+            "--max-in-flight",
+            "2",
+            "--max-queued",
+            "1",
+            "--max-queue-wait-ms",
+            "300",
+        ],
     )
-    .await
-    .unwrap();
-    router
-        .wait_ready_workers(MODEL, 1, Duration::from_secs(20))
-        .await
-        .unwrap();
+    .await;
     let mut client = router.client().await;
     let mut running = Vec::new();
     for _ in 0..2 {
@@ -423,14 +409,7 @@ async fn deadline_propagates_and_frees_the_sequence() {
     let w = WorkerProc::start(WorkerOpts::new("w-deadline"), dir.path())
         .await
         .unwrap();
-    let file = static_file(dir.path(), &[&w]);
-    let router = RouterProc::start(&["--static".into(), file], dir.path())
-        .await
-        .unwrap();
-    router
-        .wait_ready_workers(MODEL, 1, Duration::from_secs(20))
-        .await
-        .unwrap();
+    let router = static_router(dir.path(), &[&w], &[]).await;
     let mut client = router.client().await;
     let mut req = tonic::Request::new(counting(2_000));
     req.set_timeout(Duration::from_millis(700));

@@ -98,21 +98,7 @@ async fn one_trace_crosses_router_and_worker() {
     )
     .await
     .unwrap();
-    let router = RouterProc::start(
-        &[
-            "--static".into(),
-            static_file(dir.path(), &[&w]),
-            "--otlp-endpoint".into(),
-            endpoint,
-        ],
-        dir.path(),
-    )
-    .await
-    .unwrap();
-    router
-        .wait_ready_workers(MODEL, 1, Duration::from_secs(20))
-        .await
-        .unwrap();
+    let router = static_router(dir.path(), &[&w], &["--otlp-endpoint", &endpoint]).await;
 
     // The client's own trace context is honoured.
     let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
@@ -243,21 +229,7 @@ async fn requests_succeed_with_the_collector_down() {
     )
     .await
     .unwrap();
-    let router = RouterProc::start(
-        &[
-            "--static".into(),
-            static_file(dir.path(), &[&w]),
-            "--otlp-endpoint".into(),
-            dead,
-        ],
-        dir.path(),
-    )
-    .await
-    .unwrap();
-    router
-        .wait_ready_workers(MODEL, 1, Duration::from_secs(20))
-        .await
-        .unwrap();
+    let router = static_router(dir.path(), &[&w], &["--otlp-endpoint", &dead]).await;
     let mut client = router.client().await;
     for _ in 0..5 {
         let t = Instant::now();
@@ -319,21 +291,7 @@ async fn metrics_count_the_traffic() {
     )
     .await
     .unwrap();
-    let router = RouterProc::start(
-        &[
-            "--static".into(),
-            static_file(dir.path(), &[&w]),
-            "--metrics-listen".into(),
-            router_metrics.clone(),
-        ],
-        dir.path(),
-    )
-    .await
-    .unwrap();
-    router
-        .wait_ready_workers(MODEL, 1, Duration::from_secs(20))
-        .await
-        .unwrap();
+    let router = static_router(dir.path(), &[&w], &["--metrics-listen", &router_metrics]).await;
     let mut client = router.client().await;
     let mut tokens = 0;
     for _ in 0..10 {

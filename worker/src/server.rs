@@ -227,25 +227,10 @@ type Labels = [(&'static str, String); 3];
 /// Counts one request's outcome.
 fn record_outcome(labels: &Labels, code: tonic::Code) {
     let mut with_code: Vec<(&'static str, String)> = labels.to_vec();
-    with_code.push(("code", code_name(code).to_string()));
+    with_code.push(("code", tokenmesh_proto::codes::code_name(code).to_string()));
     metrics::counter!("llm_request_total", &with_code).increment(1);
     if !matches!(code, tonic::Code::Ok | tonic::Code::Cancelled) {
         metrics::counter!("llm_request_errors_total", labels).increment(1);
-    }
-}
-
-/// The status code's canonical name, as a metric label.
-fn code_name(code: tonic::Code) -> &'static str {
-    match code {
-        tonic::Code::Ok => "OK",
-        tonic::Code::Cancelled => "CANCELLED",
-        tonic::Code::InvalidArgument => "INVALID_ARGUMENT",
-        tonic::Code::DeadlineExceeded => "DEADLINE_EXCEEDED",
-        tonic::Code::NotFound => "NOT_FOUND",
-        tonic::Code::ResourceExhausted => "RESOURCE_EXHAUSTED",
-        tonic::Code::Unavailable => "UNAVAILABLE",
-        tonic::Code::Internal => "INTERNAL",
-        _ => "OTHER",
     }
 }
 

@@ -13,7 +13,7 @@
 pub use super::kv_pool::KvCache;
 use super::kv_pool::KvPool;
 use candle_core::quantized::gguf_file;
-use candle_core::{DType, Device, IndexOp, Tensor};
+use candle_core::{DType, Device, Tensor};
 use std::io::{Read, Seek};
 
 /// Errors from loading or running the model.
@@ -338,20 +338,6 @@ impl LlamaModel {
     /// Embedding row count (the vocabulary size).
     pub fn vocab_size(&self) -> usize {
         self.cfg.vocab_size
-    }
-
-    /// Probabilities of the top `k` tokens of one logits row, most likely first.
-    pub fn top_k_probs(logits: &Tensor, k: usize) -> Result<Vec<(u32, f32)>, ModelError> {
-        let probs = candle_nn::ops::softmax_last_dim(&logits.unsqueeze(0)?)?.i(0)?;
-        let mut v: Vec<(u32, f32)> = probs
-            .to_vec1::<f32>()?
-            .into_iter()
-            .enumerate()
-            .map(|(i, p)| (i as u32, p))
-            .collect();
-        v.sort_by(|a, b| b.1.total_cmp(&a.1));
-        v.truncate(k);
-        Ok(v)
     }
 }
 

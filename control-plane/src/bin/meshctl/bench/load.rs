@@ -210,7 +210,7 @@ impl Shared {
         let error = match outcome {
             Ok(Ok(true)) => None,
             Ok(Ok(false)) => Some("INCOMPLETE".to_string()),
-            Ok(Err(status)) => Some(code_name(status.code())),
+            Ok(Err(status)) => Some(tokenmesh_proto::codes::code_name(status.code()).to_string()),
             Err(_) => Some("CLIENT_TIMEOUT".to_string()),
         };
         self.completed.fetch_add(1, Ordering::Relaxed);
@@ -231,18 +231,6 @@ impl Shared {
             error: Some(code.to_string()),
         });
     }
-}
-
-/// The gRPC code as its canonical upper-case name (`RESOURCE_EXHAUSTED`).
-pub fn code_name(code: tonic::Code) -> String {
-    format!("{code:?}")
-        .chars()
-        .enumerate()
-        .flat_map(|(i, c)| {
-            let sep = (i > 0 && c.is_uppercase()).then_some('_');
-            sep.into_iter().chain(c.to_uppercase())
-        })
-        .collect()
 }
 
 /// Runs the load described by `args`; `progress` shows it while it runs.
@@ -405,22 +393,4 @@ fn progress_bar(show: bool, secs: f64) -> ProgressBar {
             .expect("a valid progress template"),
     );
     bar
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn code_names_are_canonical() {
-        assert_eq!(
-            code_name(tonic::Code::ResourceExhausted),
-            "RESOURCE_EXHAUSTED"
-        );
-        assert_eq!(code_name(tonic::Code::Unavailable), "UNAVAILABLE");
-        assert_eq!(
-            code_name(tonic::Code::DeadlineExceeded),
-            "DEADLINE_EXCEEDED"
-        );
-    }
 }
