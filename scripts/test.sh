@@ -24,8 +24,8 @@ if [ ${#missing[@]} -gt 0 ]; then
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
 fi
 protoc --version
-etcd --version | head -1
-promtool --version 2>&1 | head -1
+etcd --version | sed -n 1p
+promtool --version 2>&1 | sed -n 1p
 
 step "python packages"
 VENV=target/test-venv
