@@ -42,15 +42,59 @@ impl Keys {
         format!("{}/drain/{worker_id}", self.prefix)
     }
 
+    /// Prefix of every drain request.
+    pub fn drain_prefix(&self) -> String {
+        format!("{}/drain/", self.prefix)
+    }
+
+    /// The worker id of a `drain/{worker_id}` key.
+    pub fn parse_drain<'a>(&self, key: &'a str) -> Option<&'a str> {
+        let id = key.strip_prefix(&self.prefix)?.strip_prefix("/drain/")?;
+        (!id.is_empty() && !id.contains('/')).then_some(id)
+    }
+
+    /// Prefix of every router's published stats.
+    pub fn stats_prefix(&self) -> String {
+        format!("{}/stats/", self.prefix)
+    }
+
+    /// `stats/{router_id}/{model}/{version}`.
+    pub fn stats(&self, router_id: &str, model: &str, version: &str) -> String {
+        format!("{}/stats/{router_id}/{model}/{version}", self.prefix)
+    }
+
+    /// Splits a stats key into (router_id, model, version).
+    pub fn parse_stats<'a>(&self, key: &'a str) -> Option<(&'a str, &'a str, &'a str)> {
+        let rest = key.strip_prefix(&self.prefix)?.strip_prefix("/stats/")?;
+        three_parts(rest)
+    }
+
+    /// Prefix of every model's rollout.
+    pub fn rollouts_prefix(&self) -> String {
+        format!("{}/rollouts/", self.prefix)
+    }
+
+    /// `rollouts/{model}`.
+    pub fn rollout(&self, model: &str) -> String {
+        format!("{}/rollouts/{model}", self.prefix)
+    }
+
+    /// The model name of a `rollouts/{model}` key.
+    pub fn parse_rollout<'a>(&self, key: &'a str) -> Option<&'a str> {
+        let model = key.strip_prefix(&self.prefix)?.strip_prefix("/rollouts/")?;
+        (!model.is_empty() && !model.contains('/')).then_some(model)
+    }
+
+    /// The election the control-plane replicas campaign in to lead the
+    /// rollout controller.
+    pub fn control_election(&self) -> String {
+        format!("{}/control/leader", self.prefix)
+    }
+
     /// Splits a worker key into (model, version, worker_id).
     pub fn parse_worker<'a>(&self, key: &'a str) -> Option<(&'a str, &'a str, &'a str)> {
         let rest = key.strip_prefix(&self.prefix)?.strip_prefix("/workers/")?;
-        let mut parts = rest.split('/');
-        let (model, version, id) = (parts.next()?, parts.next()?, parts.next()?);
-        if parts.next().is_some() || model.is_empty() || version.is_empty() || id.is_empty() {
-            return None;
-        }
-        Some((model, version, id))
+        three_parts(rest)
     }
 
     /// The model name of a `models/{model}/policy` key.
@@ -59,6 +103,16 @@ impl Keys {
         let model = rest.strip_suffix("/policy")?;
         (!model.is_empty() && !model.contains('/')).then_some(model)
     }
+}
+
+/// `a/b/c` with no part empty.
+fn three_parts(rest: &str) -> Option<(&str, &str, &str)> {
+    let mut parts = rest.split('/');
+    let (a, b, c) = (parts.next()?, parts.next()?, parts.next()?);
+    if parts.next().is_some() || a.is_empty() || b.is_empty() || c.is_empty() {
+        return None;
+    }
+    Some((a, b, c))
 }
 
 impl Default for Keys {
@@ -86,5 +140,17 @@ mod tests {
         let k = Keys::default();
         assert_eq!(k.parse_policy(&k.policy("m")), Some("m"));
         assert_eq!(k.parse_policy("/tokenmesh/models/m/rollout"), None);
+    }
+
+    #[test]
+    fn stats_drain_and_rollout_keys_round_trip() {
+        let k = Keys::default();
+        assert_eq!(
+            k.parse_stats(&k.stats("r1", "m", "v2")),
+            Some(("r1", "m", "v2"))
+        );
+        assert_eq!(k.parse_drain(&k.drain("w-1")), Some("w-1"));
+        assert_eq!(k.parse_drain("/tokenmesh/drain/"), None);
+        assert_eq!(k.parse_rollout(&k.rollout("m")), Some("m"));
     }
 }

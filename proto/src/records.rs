@@ -64,6 +64,52 @@ fn yes() -> bool {
     true
 }
 
+/// Upper bounds, in milliseconds, of the time-to-first-token buckets routers
+/// publish in [`StatsRecord`]. Same range as the Prometheus LLM buckets.
+pub const TTFT_BUCKETS_MS: &[f64] = &[
+    5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.0, 5000.0, 10000.0, 30000.0,
+];
+
+/// What one router saw of one model version,
+/// `stats/{router_id}/{model}/{version}`, kept under the router's lease.
+///
+/// Counters are cumulative since the router started (`started_at_ms`), so a
+/// reader takes the difference between two reads of the same router
+/// incarnation; a new `started_at_ms` means the counters restarted from zero.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, Default)]
+pub struct StatsRecord {
+    /// Unix milliseconds when this router process started.
+    pub started_at_ms: u64,
+    /// Unix milliseconds of this snapshot.
+    pub updated_at_ms: u64,
+    /// Upstream attempts sent to workers of this version.
+    pub requests: u64,
+    /// Attempts that failed on the serving side: a worker error status, a
+    /// broken stream, or a deadline. Client cancellations and invalid
+    /// requests are not errors of the version.
+    pub errors: u64,
+    /// Time to first token per bucket of [`TTFT_BUCKETS_MS`] (not cumulative);
+    /// one more entry than the bounds, the last counting everything above.
+    #[serde(default)]
+    pub ttft_counts: Vec<u64>,
+    /// Workers of this version as this router sees them, by worker id.
+    #[serde(default)]
+    pub workers: BTreeMap<String, WorkerView>,
+}
+
+/// One router's view of one worker.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct WorkerView {
+    /// Answering health checks and not ejected.
+    pub healthy: bool,
+    /// Draining, by the worker's own report or a `drain/` key.
+    pub draining: bool,
+    /// Streams in flight from this router.
+    pub in_flight: u32,
+    /// Queue depth the worker last reported.
+    pub queue_depth: u32,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
