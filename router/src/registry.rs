@@ -158,8 +158,7 @@ impl Registry {
     pub fn set_drained(&self, ids: HashSet<String>) {
         let mut set = self.drained.write().expect("registry lock");
         for (id, ep) in self.workers.read().expect("registry lock").iter() {
-            ep.drain_requested
-                .store(ids.contains(id), Ordering::SeqCst);
+            ep.drain_requested.store(ids.contains(id), Ordering::SeqCst);
         }
         *set = ids;
     }

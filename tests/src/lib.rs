@@ -375,7 +375,13 @@ pub struct WorkerOpts {
 impl WorkerOpts {
     /// A synthetic worker serving [`MODEL`] at `tokens_per_sec`, registered
     /// in `etcd`, with the `extra` flags.
-    pub fn synthetic(id: &str, version: &str, tokens_per_sec: f64, etcd: &str, extra: &[&str]) -> Self {
+    pub fn synthetic(
+        id: &str,
+        version: &str,
+        tokens_per_sec: f64,
+        etcd: &str,
+        extra: &[&str],
+    ) -> Self {
         let mut flags: Vec<String> = vec!["--model-name".into(), MODEL.into()];
         flags.extend(extra.iter().map(|s| s.to_string()));
         Self {

@@ -63,7 +63,11 @@ async fn a_drain_key_moves_new_streams_away_and_the_worker_exits_after_its_strea
         let mut seqs = vec![0];
         let mut tokens = 0;
         let mut finished = None;
-        while let Some(msg) = stream.message().await.expect("the drained stream continues") {
+        while let Some(msg) = stream
+            .message()
+            .await
+            .expect("the drained stream continues")
+        {
             seqs.push(msg.seq);
             match msg.event {
                 Some(Event::Delta(d)) => tokens += d.token_ids.len(),
@@ -75,7 +79,9 @@ async fn a_drain_key_moves_new_streams_away_and_the_worker_exits_after_its_strea
     });
 
     let mut kv = etcd.client().await;
-    kv.put(keys.drain(&a_id), "test: drain", None).await.unwrap();
+    kv.put(keys.drain(&a_id), "test: drain", None)
+        .await
+        .unwrap();
     let ready = router
         .wait_ready_workers(MODEL, 1, Duration::from_secs(10))
         .await
@@ -83,17 +89,28 @@ async fn a_drain_key_moves_new_streams_away_and_the_worker_exits_after_its_strea
     assert_eq!(ready, vec![b_id.clone()]);
     for _ in 0..6 {
         let out = collect(&mut client, words(2)).await.unwrap();
-        assert_eq!(out.accepted.unwrap().worker_id, b_id, "no new stream to a drained worker");
+        assert_eq!(
+            out.accepted.unwrap().worker_id,
+            b_id,
+            "no new stream to a drained worker"
+        );
         assert_eq!(out.finished.unwrap().worker_id, b_id);
     }
-    assert!(workers[a].proc.running(), "the drained worker waits for its stream");
+    assert!(
+        workers[a].proc.running(),
+        "the drained worker waits for its stream"
+    );
 
     let (seqs, tokens, finished) = tokio::time::timeout(Duration::from_secs(30), long)
         .await
         .expect("the drained stream finishes")
         .unwrap();
     let finished = finished.expect("Finished");
-    assert_eq!(seqs, (0..seqs.len() as u64).collect::<Vec<_>>(), "gapless seq");
+    assert_eq!(
+        seqs,
+        (0..seqs.len() as u64).collect::<Vec<_>>(),
+        "gapless seq"
+    );
     assert_eq!(tokens, LONG as usize, "every token of the drained stream");
     assert_eq!(finished.finish_reason, FinishReason::Length as i32);
     assert_eq!(finished.worker_id, a_id, "finished where it started");
@@ -117,7 +134,12 @@ async fn a_drain_key_moves_new_streams_away_and_the_worker_exits_after_its_strea
         "the worker deletes its drain key on exit"
     );
     assert!(workers[b].proc.running());
-    assert_eq!(etcd.get_prefix(&keys.worker(MODEL, "v1", &b_id)).await.len(), 1);
+    assert_eq!(
+        etcd.get_prefix(&keys.worker(MODEL, "v1", &b_id))
+            .await
+            .len(),
+        1
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -126,7 +148,9 @@ async fn stay_drained_keeps_the_worker_up_refusing_work_even_when_the_key_came_f
     let etcd = Etcd::start().await.unwrap();
     let keys = Keys::default();
     let mut kv = etcd.client().await;
-    kv.put(keys.drain("w-c"), "before start", None).await.unwrap();
+    kv.put(keys.drain("w-c"), "before start", None)
+        .await
+        .unwrap();
     let opts = WorkerOpts::synthetic("w-c", "v1", 50.0, &etcd.url, &["--stay-drained"]);
     let mut w = WorkerProc::start(opts, dir.path()).await.unwrap();
     let wc = w.client().await;
@@ -141,7 +165,9 @@ async fn stay_drained_keeps_the_worker_up_refusing_work_even_when_the_key_came_f
     .await;
     assert!(drained, "Status reports draining:\n{}", w.proc.log_text());
     let gone = eventually(Duration::from_secs(10), || async {
-        etcd.get_prefix(&keys.worker(MODEL, "v1", "w-c")).await.is_empty()
+        etcd.get_prefix(&keys.worker(MODEL, "v1", "w-c"))
+            .await
+            .is_empty()
             && w.proc.log_text().contains("staying up")
     })
     .await;
@@ -158,10 +184,16 @@ async fn stay_drained_keeps_the_worker_up_refusing_work_even_when_the_key_came_f
         panic!("a drained worker refuses new requests")
     };
     assert_eq!(refused.code(), Code::Unavailable);
-    assert!(refused.message().contains("worker is draining"), "{refused:?}");
+    assert!(
+        refused.message().contains("worker is draining"),
+        "{refused:?}"
+    );
 
     w.proc.signal(nix::sys::signal::Signal::SIGTERM);
-    let status = w.proc.wait_exit(Duration::from_secs(15)).expect("exits on SIGTERM");
+    let status = w
+        .proc
+        .wait_exit(Duration::from_secs(15))
+        .expect("exits on SIGTERM");
     assert!(status.success(), "{}", w.proc.log_text());
     assert_eq!(etcd.get_prefix(&keys.drain("w-c")).await, vec![]);
 }

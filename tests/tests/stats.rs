@@ -81,10 +81,6 @@ async fn stats_count_attempts_errors_and_ttft_per_version_and_go_with_the_router
                 // excluded from the failover, so the stream is lost.
                 let status = out.expect_err("v2 fails every request");
                 assert_eq!(status.code(), Code::Unavailable, "{status:?}");
-                assert!(
-                    status.message().contains("synthetic fault injected"),
-                    "{status:?}"
-                );
             }
         }
     }

@@ -58,7 +58,9 @@ impl DrainKey {
                 }
             }
         }
-        Err(etcd_client::Error::WatchError("drain key watch ended".into()))
+        Err(etcd_client::Error::WatchError(
+            "drain key watch ended".into(),
+        ))
     }
 
     /// Deletes the key (best effort: the control plane can clean up after a
@@ -70,8 +72,12 @@ impl DrainKey {
         };
         match tokio::time::timeout(Duration::from_secs(5), deleted).await {
             Ok(Ok(_)) => tracing::info!(key = %self.key, "drain key removed"),
-            Ok(Err(e)) => tracing::warn!(key = %self.key, error = %e, "could not remove the drain key"),
-            Err(_) => tracing::warn!(key = %self.key, "could not remove the drain key: etcd timed out"),
+            Ok(Err(e)) => {
+                tracing::warn!(key = %self.key, error = %e, "could not remove the drain key")
+            }
+            Err(_) => {
+                tracing::warn!(key = %self.key, "could not remove the drain key: etcd timed out")
+            }
         }
     }
 }

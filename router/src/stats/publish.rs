@@ -61,8 +61,7 @@ async fn publish_under_lease(
     registry: &Registry,
     shutdown: &mut watch::Receiver<bool>,
 ) -> Result<(), etcd_client::Error> {
-    let mut client =
-        crate::discovery::etcd::connect(&cfg.endpoints, cfg.tls.as_ref()).await?;
+    let mut client = crate::discovery::etcd::connect(&cfg.endpoints, cfg.tls.as_ref()).await?;
     let lease = client
         .lease_grant(LEASE_TTL.as_secs() as i64, None)
         .await?

@@ -200,7 +200,10 @@ async fn injected_faults_fail_before_the_first_token_after_the_delay() {
     engine.submit(req).unwrap();
     let (tokens, end) = drain(&mut rx).await;
     assert!(tokens.is_empty());
-    assert!(matches!(end, Event::Failed(ref m) if m == FAULT_MESSAGE), "{end:?}");
+    assert!(
+        matches!(end, Event::Failed(ref m) if m == FAULT_MESSAGE),
+        "{end:?}"
+    );
     assert_eq!(Instant::now() - submitted, Duration::from_millis(320));
 }
 
@@ -227,5 +230,8 @@ fn fault_choice_is_deterministic_and_close_to_the_rate() {
     let failed = (0..10_000)
         .filter(|i| injects_fault(&format!("request-{i}"), 0.3))
         .count();
-    assert!((2_700..=3_300).contains(&failed), "{failed} of 10000 at 0.3");
+    assert!(
+        (2_700..=3_300).contains(&failed),
+        "{failed} of 10000 at 0.3"
+    );
 }
