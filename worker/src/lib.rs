@@ -134,6 +134,16 @@ async fn start_engine(cfg: &WorkerConfig, worker_id: &str) -> Result<StartedEngi
         });
     }
     let accel = accelerator::Accelerator::open(&cfg.device)?;
+    match accel.memory() {
+        Some((used, total)) => tracing::info!(
+            accelerator = accel.kind,
+            device = %accel.name,
+            memory_used_mib = used >> 20,
+            memory_total_mib = total >> 20,
+            "device opened"
+        ),
+        None => tracing::info!(accelerator = accel.kind, device = %accel.name, "device opened"),
+    }
     let device = accel.device.clone();
     let cache = cfg
         .model_cache

@@ -134,6 +134,12 @@ async fn batching_and_preemption_change_no_token() {
     }
     let preempted = tiny.stats().preemptions.load(Ordering::Relaxed);
     assert!(preempted > 0, "the tiny pool never preempted");
+    // The engine publishes its counters after the step that sent the last
+    // Finished, so the test can read them a moment before that.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while tiny.stats().kv_blocks_used.load(Ordering::SeqCst) != 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     assert_eq!(tiny.stats().kv_blocks_used.load(Ordering::SeqCst), 0);
     eprintln!("preemptions with a 4 MiB pool: {preempted}");
 }

@@ -35,9 +35,14 @@ fn model_path() -> PathBuf {
     p
 }
 
+/// The fixture, or `TOKENMESH_TEST_FIXTURE` where the test binary runs away
+/// from the source tree it was built in (scripts/gpu-check.sh --prebuilt).
 fn fixture() -> Value {
-    let path =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/llamacpp_greedy.json");
+    let path = std::env::var_os("TOKENMESH_TEST_FIXTURE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/llamacpp_greedy.json")
+        });
     serde_json::from_str(&std::fs::read_to_string(&path).expect("fixture")).expect("fixture JSON")
 }
 

@@ -95,8 +95,13 @@ impl Scheduler {
                     None => return,
                 }
             }
-            while let Ok(cmd) = rx.try_recv() {
-                self.handle(cmd);
+            loop {
+                match rx.try_recv() {
+                    Ok(cmd) => self.handle(cmd),
+                    Err(mpsc::error::TryRecvError::Empty) => break,
+                    // Every handle is gone: the worker is shutting down.
+                    Err(mpsc::error::TryRecvError::Disconnected) => return,
+                }
             }
             self.drop_cancelled();
             self.admit();

@@ -128,12 +128,34 @@ pub(crate) enum Command {
     Abort(String),
 }
 
-/// Cheap, cloneable handle to the engine thread.
+/// Cheap, cloneable handle to the engine thread. Dropping the last clone
+/// stops the engine and waits for its thread (at most one step).
 #[derive(Clone)]
 pub struct EngineHandle {
+    // Field order matters: the sender drops (closing the channel the engine
+    // watches) before `thread` joins.
     tx: mpsc::UnboundedSender<Command>,
     stats: Arc<EngineStats>,
     queue_capacity: usize,
+    thread: Arc<EngineThread>,
+}
+
+/// Joins the engine thread when the last handle goes. Without this, a step
+/// still running when the process exits races the CUDA libraries' exit-time
+/// teardown (seen on an H200: a segfault inside cuBLAS after the batching
+/// tests had all passed).
+#[derive(Default)]
+struct EngineThread(Option<std::thread::JoinHandle<()>>);
+
+impl Drop for EngineThread {
+    fn drop(&mut self) {
+        if let Some(thread) = self.0.take() {
+            // The engine never holds a handle, but never join oneself.
+            if thread.thread().id() != std::thread::current().id() {
+                let _ = thread.join();
+            }
+        }
+    }
 }
 
 impl EngineHandle {
@@ -142,12 +164,13 @@ impl EngineHandle {
         model: Arc<LoadedModel>,
         cfg: SchedulerConfig,
     ) -> Result<Self, candle_core::Error> {
-        let (handle, rx) = Self::channel(cfg.queue_capacity);
+        let (mut handle, rx) = Self::channel(cfg.queue_capacity);
         let scheduler = engine_loop::Scheduler::new(model, cfg, handle.stats.clone())?;
-        std::thread::Builder::new()
+        let thread = std::thread::Builder::new()
             .name("engine".into())
             .spawn(move || scheduler.run(rx))
             .expect("spawning the engine thread");
+        handle.thread = Arc::new(EngineThread(Some(thread)));
         Ok(handle)
     }
 
@@ -160,6 +183,7 @@ impl EngineHandle {
             tx,
             stats: Arc::new(EngineStats::default()),
             queue_capacity,
+            thread: Arc::default(),
         };
         (handle, rx)
     }
