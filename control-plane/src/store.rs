@@ -120,6 +120,9 @@ impl From<Freshness> for tokenmesh_proto::v1::Freshness {
     }
 }
 
+/// A snapshot with the moment it was read.
+pub type TimedSnapshot = (Instant, Arc<Snapshot>);
+
 /// One key to change in a [`Store::commit`]: written only if its revision is
 /// still `expected` (0: the key must not exist).
 pub struct Guarded {
@@ -134,7 +137,7 @@ pub struct Guarded {
 pub struct Store {
     client: Client,
     keys: Keys,
-    last: Arc<Mutex<Option<(Arc<Snapshot>, Instant)>>>,
+    last: Arc<Mutex<Option<TimedSnapshot>>>,
 }
 
 /// How long one etcd request may take before the read falls back to the cache.
@@ -169,7 +172,7 @@ impl Store {
             Err(e) => {
                 let last = self.last.lock().expect("snapshot cache lock").clone();
                 match last {
-                    Some((snap, at)) => Ok((
+                    Some((at, snap)) => Ok((
                         snap,
                         Freshness {
                             stale: true,
@@ -199,7 +202,7 @@ impl Store {
             self.parse_into(&mut snap, key, kv.value(), kv.mod_revision());
         }
         let snap = Arc::new(snap);
-        *self.last.lock().expect("snapshot cache lock") = Some((snap.clone(), Instant::now()));
+        *self.last.lock().expect("snapshot cache lock") = Some((Instant::now(), snap.clone()));
         Ok(snap)
     }
 

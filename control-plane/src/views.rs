@@ -2,7 +2,7 @@
 //! (registration, drain, and load as the routers see it) and the per-version
 //! status table, whose rates come from a short history of snapshots.
 use crate::analysis;
-use crate::store::{Snapshot, Store};
+use crate::store::{Snapshot, Store, TimedSnapshot};
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -11,7 +11,7 @@ use tokenmesh_proto::v1;
 /// Snapshots sampled in the background, for rates over a window.
 #[derive(Clone, Default)]
 pub struct History {
-    samples: Arc<Mutex<VecDeque<(Instant, Arc<Snapshot>)>>>,
+    samples: Arc<Mutex<VecDeque<TimedSnapshot>>>,
 }
 
 impl History {
@@ -46,7 +46,7 @@ impl History {
     }
 
     /// The oldest sample, if any.
-    fn oldest(&self) -> Option<(Instant, Arc<Snapshot>)> {
+    fn oldest(&self) -> Option<TimedSnapshot> {
         self.samples.lock().expect("history lock").front().cloned()
     }
 }

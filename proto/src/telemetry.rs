@@ -38,7 +38,7 @@ pub struct TelemetryArgs {
     /// Log line format.
     #[arg(long, env = "TOKENMESH_LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
-    /// OTLP/gRPC endpoint that receives traces, e.g. http://jaeger:4317 (absent: no export).
+    /// OTLP/gRPC endpoint that receives traces, e.g. http://jaeger:4317 (absent or empty: no export).
     #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
     pub otlp_endpoint: Option<String>,
     /// Address that serves Prometheus metrics at /metrics (absent: no metrics listener).
@@ -93,7 +93,9 @@ pub fn init(service: &str, args: &TelemetryArgs) -> Result<TelemetryGuard, Telem
     })?;
     opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
 
-    let provider = match &args.otlp_endpoint {
+    // An empty value (OTEL_EXPORTER_OTLP_ENDPOINT= in a compose file) means no export.
+    let endpoint = args.otlp_endpoint.as_ref().filter(|e| !e.trim().is_empty());
+    let provider = match endpoint {
         Some(endpoint) => {
             let exporter = opentelemetry_otlp::SpanExporter::builder()
                 .with_tonic()

@@ -23,16 +23,27 @@ pub struct RegistrationConfig {
 
 /// Keeps the registration alive until `shutdown` turns true, then removes it.
 pub async fn run(cfg: RegistrationConfig, mut shutdown: watch::Receiver<bool>) {
+    if cfg.endpoints.is_empty() {
+        return;
+    }
     let mut backoff = Duration::from_millis(200);
-    loop {
+    // Each attempt talks to one endpoint, the next one after a failure: a
+    // client over the whole list kept picking a stopped etcd node (seen in
+    // the compose cluster test) until the lease had lapsed.
+    for attempt in 0usize.. {
         if *shutdown.borrow() {
             return;
         }
-        match register_once(&cfg, &mut shutdown).await {
+        let endpoint = &cfg.endpoints[attempt % cfg.endpoints.len()];
+        let mut registered = false;
+        match register_once(&cfg, endpoint, &mut registered, &mut shutdown).await {
             Ok(()) => return,
             Err(e) => {
-                tracing::warn!(error = %e, key = %cfg.key, "etcd registration lost; retrying");
+                tracing::warn!(error = %e, key = %cfg.key, endpoint = %endpoint, "etcd registration lost; retrying on the next endpoint");
             }
+        }
+        if registered {
+            backoff = Duration::from_millis(200);
         }
         tokio::select! {
             _ = tokio::time::sleep(backoff) => {}
@@ -45,9 +56,11 @@ pub async fn run(cfg: RegistrationConfig, mut shutdown: watch::Receiver<bool>) {
 /// One registration: grant, put, keep alive. Ok(()) after a clean shutdown.
 async fn register_once(
     cfg: &RegistrationConfig,
+    endpoint: &str,
+    registered: &mut bool,
     shutdown: &mut watch::Receiver<bool>,
 ) -> Result<(), etcd_client::Error> {
-    let mut client = connect(&cfg.endpoints, cfg.tls.as_ref(), true).await?;
+    let mut client = connect(&[endpoint.to_string()], cfg.tls.as_ref(), true).await?;
     let ttl = cfg.ttl.as_secs().max(1) as i64;
     let lease = client.lease_grant(ttl, None).await?.id();
     client
@@ -57,7 +70,8 @@ async fn register_once(
             Some(PutOptions::new().with_lease(lease)),
         )
         .await?;
-    tracing::info!(key = %cfg.key, lease, ttl, "registered in etcd");
+    tracing::info!(key = %cfg.key, lease, ttl, endpoint, "registered in etcd");
+    *registered = true;
     let (mut keeper, mut responses) = client.lease_keep_alive(lease).await?;
     let mut tick = tokio::time::interval(cfg.ttl / 3);
     tick.tick().await;

@@ -25,8 +25,8 @@ pub fn status_table(r: &v1::MeshStatusResponse) -> String {
     let mut s = freshness_note(&r.freshness);
     let _ = writeln!(
         s,
-        "{:<24} {:<10} {:<7} {:>6} {:>7} {:>9} {:>7} {:>10}  {}",
-        "MODEL", "VERSION", "ROLE", "WEIGHT", "READY", "REQ/S", "ERR%", "TTFT p99", "ROLLOUT"
+        "{:<24} {:<10} {:<7} {:>6} {:>7} {:>9} {:>7} {:>10}  ROLLOUT",
+        "MODEL", "VERSION", "ROLE", "WEIGHT", "READY", "REQ/S", "ERR%", "TTFT p99"
     );
     for v in &r.versions {
         let _ = writeln!(
@@ -235,8 +235,8 @@ pub fn workers_table(r: &v1::ListWorkersResponse) -> String {
     let mut s = freshness_note(&r.freshness);
     let _ = writeln!(
         s,
-        "{:<20} {:<24} {:<8} {:<22} {:<8} {:>8} {:>9} {:>6}  {}",
-        "WORKER", "MODEL", "VERSION", "ADDR", "DEVICE", "HEALTHY", "IN-FLIGHT", "QUEUE", "DRAIN"
+        "{:<20} {:<24} {:<8} {:<22} {:<8} {:>8} {:>9} {:>6}  DRAIN",
+        "WORKER", "MODEL", "VERSION", "ADDR", "DEVICE", "HEALTHY", "IN-FLIGHT", "QUEUE"
     );
     for w in &r.workers {
         let _ = writeln!(
