@@ -17,6 +17,11 @@ impl Keys {
         }
     }
 
+    /// Prefix of every key (with its trailing slash).
+    pub fn root(&self) -> String {
+        format!("{}/", self.prefix)
+    }
+
     /// Prefix of every worker registration.
     pub fn workers_prefix(&self) -> String {
         format!("{}/workers/", self.prefix)

@@ -14,6 +14,8 @@ use tokenmesh_proto::v1::{
 };
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity as TlsIdentity};
 
+pub mod control;
+
 /// A test CA in a temporary directory that issues `--tls-dir` directories.
 pub struct Pki {
     pub dir: tempfile::TempDir,
@@ -307,6 +309,12 @@ impl Etcd {
             _proc: proc,
             _dir: dir,
         })
+    }
+
+    /// Stops etcd (SIGKILL), as an outage.
+    pub fn kill(&mut self) {
+        self._proc.signal(nix::sys::signal::Signal::SIGKILL);
+        let _ = self._proc.wait_exit(Duration::from_secs(5));
     }
 
     /// A client.

@@ -38,30 +38,41 @@ pub fn default_dev_certs() -> PathBuf {
 impl ConnectArgs {
     /// The TLS directory to use, or `None` for plaintext.
     fn tls_dir(&self) -> anyhow::Result<Option<PathBuf>> {
-        if self.insecure {
-            return Ok(None);
-        }
-        if let Some(d) = &self.tls_dir {
-            return Ok(Some(d.clone()));
-        }
-        let dev = default_dev_certs();
-        if dev.join(format!("{}.pem", self.tls_role)).is_file() {
-            return Ok(Some(dev));
-        }
-        anyhow::bail!(
-            "no certificates: give --tls-dir DIR (ca.pem, {role}.pem, {role}.key), run `meshctl up` once to create development certificates in {}, or --insecure for a plaintext router",
-            dev.display(),
-            role = self.tls_role
-        )
+        resolve_tls_dir(self.tls_dir.as_deref(), self.insecure, &self.tls_role)
     }
 }
 
-/// Connects to a router, over mutual TLS with the certificates in `tls_dir`
-/// or plaintext when it is `None`.
-pub async fn connect_with(
+/// The TLS directory for `role`: the one given, else the development
+/// certificates of `meshctl up` when they hold that role's certificate;
+/// `None` for plaintext.
+pub fn resolve_tls_dir(
+    given: Option<&std::path::Path>,
+    insecure: bool,
+    role: &str,
+) -> anyhow::Result<Option<PathBuf>> {
+    if insecure {
+        return Ok(None);
+    }
+    if let Some(d) = given {
+        return Ok(Some(d.to_path_buf()));
+    }
+    let dev = default_dev_certs();
+    if dev.join(format!("{role}.pem")).is_file() {
+        return Ok(Some(dev));
+    }
+    anyhow::bail!(
+        "no certificates: give --tls-dir DIR (ca.pem, {role}.pem, {role}.key), run `meshctl up` once to create development certificates in {}, or --insecure for a plaintext server",
+        dev.display()
+    )
+}
+
+/// A gRPC channel to `addr`, over mutual TLS presenting `role`'s certificate
+/// from `dir`, or plaintext when `tls` is `None`. `what` names the server in errors.
+pub async fn channel(
     addr: &str,
     tls: Option<(&std::path::Path, &str)>,
-) -> anyhow::Result<InferenceClient<Channel>> {
+    what: &str,
+) -> anyhow::Result<Channel> {
     let host = addr.split("://").last().unwrap_or(addr);
     let url = match tls {
         Some(_) => format!("https://{host}"),
@@ -82,11 +93,19 @@ pub async fn connect_with(
                 )),
         )?;
     }
-    let channel = endpoint
+    endpoint
         .connect()
         .await
-        .map_err(|e| anyhow::anyhow!("cannot reach the router at {url}: {e}"))?;
-    Ok(InferenceClient::new(channel))
+        .map_err(|e| anyhow::anyhow!("cannot reach the {what} at {url}: {e}"))
+}
+
+/// Connects to a router, over mutual TLS with the certificates in `tls_dir`
+/// or plaintext when it is `None`.
+pub async fn connect_with(
+    addr: &str,
+    tls: Option<(&std::path::Path, &str)>,
+) -> anyhow::Result<InferenceClient<Channel>> {
+    Ok(InferenceClient::new(channel(addr, tls, "router").await?))
 }
 
 /// Connects as the command line says.

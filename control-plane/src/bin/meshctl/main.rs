@@ -2,13 +2,17 @@
 mod bench;
 mod children;
 mod client;
+mod control;
 mod local_mesh;
+mod render;
 
 use clap::{Parser, Subcommand};
 
-/// Operate a tokenmesh: run a local mesh, stream a reply, list models, benchmark.
+/// Operate a tokenmesh: run a local mesh, stream a reply, list models,
+/// benchmark, and (through the control plane) manage traffic policy, canary
+/// rollouts and workers.
 #[derive(Parser, Debug)]
-#[command(name = "meshctl", version)]
+#[command(name = "meshctl", version, after_help = control::EXIT_CODES)]
 struct Cli {
     #[command(subcommand)]
     command: Cmd,
@@ -31,10 +35,38 @@ enum Cmd {
     },
     /// Load a router or a worker and report throughput and latency; `bench sweep` runs a grid.
     Bench(Box<bench::BenchCmd>),
-    /// List models, versions, traffic split and ready workers.
+    /// List models, versions, traffic split and ready workers (from a router).
     Models {
         #[command(flatten)]
         connect: client::ConnectArgs,
+    },
+    /// One row per model version: weight, ready workers, requests/s, error %, TTFT p99.
+    Status {
+        /// Only this model.
+        model: Option<String>,
+        #[command(flatten)]
+        control: control::ControlArgs,
+    },
+    /// Canary rollouts with automated analysis.
+    Canary {
+        #[command(subcommand)]
+        cmd: control::CanaryCmd,
+        #[command(flatten)]
+        control: control::ControlArgs,
+    },
+    /// List and drain workers.
+    Workers {
+        #[command(subcommand)]
+        cmd: control::WorkersCmd,
+        #[command(flatten)]
+        control: control::ControlArgs,
+    },
+    /// Read and change traffic policies.
+    Policy {
+        #[command(subcommand)]
+        cmd: control::PolicyCmd,
+        #[command(flatten)]
+        control: control::ControlArgs,
     },
 }
 
@@ -65,11 +97,34 @@ struct GenerateCmd {
 }
 
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
+async fn main() {
     let cli = Cli::parse();
+    let code = match run(cli).await {
+        Ok(code) => code,
+        Err(e) => {
+            let message = match e.downcast_ref::<tonic::Status>() {
+                Some(s) => format!(
+                    "{}: {}",
+                    tokenmesh_proto::codes::code_name(s.code()),
+                    s.message()
+                ),
+                None => format!("{e:#}"),
+            };
+            eprintln!("error: {message}");
+            control::exit_code(&e)
+        }
+    };
+    std::process::exit(code);
+}
+
+async fn run(cli: Cli) -> anyhow::Result<i32> {
     match cli.command {
-        Cmd::Up(args) => local_mesh::up(args).await,
-        Cmd::Bench(cmd) => bench::main(*cmd).await,
+        Cmd::Status { model, control } => control::status(&control, model).await.map(|()| 0),
+        Cmd::Canary { cmd, control } => control::canary(&control, cmd).await,
+        Cmd::Workers { cmd, control } => control::workers(&control, cmd).await.map(|()| 0),
+        Cmd::Policy { cmd, control } => control::policy(&control, cmd).await.map(|()| 0),
+        Cmd::Up(args) => local_mesh::up(args).await.map(|()| 0),
+        Cmd::Bench(cmd) => bench::main(*cmd).await.map(|()| 0),
         Cmd::Generate(g) => {
             let mut c = client::connect(&g.connect).await?;
             let summary = client::generate(
@@ -88,7 +143,7 @@ async fn main() -> anyhow::Result<()> {
             .await?;
             println!();
             eprintln!("{summary}");
-            Ok(())
+            Ok(0)
         }
         Cmd::FetchModel {
             model_cache,
@@ -98,7 +153,7 @@ async fn main() -> anyhow::Result<()> {
                 model_cache.unwrap_or_else(tokenmesh_worker::model_cache::default_cache_dir);
             let path = tokenmesh_worker::model_cache::resolve("default", &cache, Some(&python))?;
             println!("{}", path.display());
-            Ok(())
+            Ok(0)
         }
         Cmd::Models { connect } => {
             let mut c = client::connect(&connect).await?;
@@ -107,7 +162,7 @@ async fn main() -> anyhow::Result<()> {
                 .await?
                 .into_inner();
             print!("{}", client::models_table(&resp));
-            Ok(())
+            Ok(0)
         }
     }
 }

@@ -1,0 +1,113 @@
+//! Command-line configuration of `tokenmesh-control`.
+use clap::Parser;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// The tokenmesh control plane: traffic policy, canary rollouts with automated
+/// analysis, and worker operations, all stored in etcd.
+#[derive(Parser, Clone, Debug)]
+#[command(name = "tokenmesh-control", version)]
+pub struct ControlConfig {
+    /// Address to serve the Control gRPC API on.
+    #[arg(long, env = "TOKENMESH_LISTEN", default_value = "0.0.0.0:50071")]
+    pub listen: SocketAddr,
+
+    /// etcd endpoints, comma-separated (required: all state lives there).
+    #[arg(long, env = "TOKENMESH_ETCD", value_delimiter = ',', required = true)]
+    pub etcd: Vec<String>,
+
+    /// Prefix of every etcd key.
+    #[arg(long, env = "TOKENMESH_ETCD_PREFIX", default_value = "/tokenmesh")]
+    pub etcd_prefix: String,
+
+    /// Serve plaintext gRPC with no identities (development only): every
+    /// caller may write. Required when no --tls-dir is given.
+    #[arg(long, env = "TOKENMESH_INSECURE", conflicts_with = "tls_dir")]
+    pub insecure: bool,
+
+    /// Directory with ca.pem, control.pem and control.key for mutual TLS:
+    /// callers need an operator (read and write) or auditor (read) certificate.
+    #[arg(long, env = "TOKENMESH_TLS_DIR")]
+    pub tls_dir: Option<PathBuf>,
+
+    /// How often control.pem and control.key are checked for replacement, in milliseconds.
+    #[arg(long, env = "TOKENMESH_TLS_RELOAD_MS", default_value_t = 2_000)]
+    pub tls_reload_ms: u64,
+
+    /// This replica's name in the leader election and in decision records
+    /// (default: hostname and process id).
+    #[arg(long, env = "TOKENMESH_CONTROL_ID")]
+    pub control_id: Option<String>,
+
+    /// Lease TTL of the leader election, in seconds: a dead leader is replaced
+    /// within this time.
+    #[arg(long, env = "TOKENMESH_ELECTION_TTL_S", default_value_t = 10)]
+    pub election_ttl_s: u64,
+
+    /// How often the leader analyses running rollouts, in milliseconds.
+    #[arg(long, env = "TOKENMESH_ANALYSIS_INTERVAL_MS", default_value_t = 5_000)]
+    pub analysis_interval_ms: u64,
+
+    /// Default hold time of each rollout step, in seconds.
+    #[arg(long, env = "TOKENMESH_DEFAULT_HOLD_S", default_value_t = 60)]
+    pub default_hold_s: u32,
+
+    /// Default minimum requests per arm in a step before a verdict.
+    #[arg(long, env = "TOKENMESH_DEFAULT_MIN_REQUESTS", default_value_t = 100)]
+    pub default_min_requests: u32,
+
+    /// Default rollback threshold: canary error rate above stable's by more
+    /// than this (absolute; 0.02 = 2 percentage points).
+    #[arg(
+        long,
+        env = "TOKENMESH_DEFAULT_MAX_ERROR_RATE_INCREASE",
+        default_value_t = 0.02
+    )]
+    pub default_max_error_rate_increase: f64,
+
+    /// Default rollback threshold: canary TTFT p99 above stable's times this.
+    #[arg(
+        long,
+        env = "TOKENMESH_DEFAULT_MAX_TTFT_P99_RATIO",
+        default_value_t = 1.5
+    )]
+    pub default_max_ttft_p99_ratio: f64,
+
+    /// Window over which `MeshStatus` computes rates, in seconds.
+    #[arg(long, env = "TOKENMESH_STATUS_WINDOW_S", default_value_t = 60)]
+    pub status_window_s: u64,
+
+    #[command(flatten)]
+    pub telemetry: tokenmesh_proto::telemetry::TelemetryArgs,
+}
+
+impl ControlConfig {
+    /// This replica's id.
+    pub fn id(&self) -> String {
+        self.control_id.clone().unwrap_or_else(|| {
+            let host = std::fs::read_to_string("/etc/hostname")
+                .ok()
+                .map(|h| h.trim().to_string())
+                .filter(|h| !h.is_empty())
+                .unwrap_or_else(|| "control".into());
+            format!("{host}-{}", std::process::id())
+        })
+    }
+
+    /// The analysis period.
+    pub fn analysis_interval(&self) -> Duration {
+        Duration::from_millis(self.analysis_interval_ms.max(50))
+    }
+
+    /// Rollout defaults for requests that leave fields unset.
+    pub fn rollout_defaults(&self) -> crate::rollout::RolloutDefaults {
+        crate::rollout::RolloutDefaults {
+            steps: vec![5, 25, 50, 100],
+            hold_s: self.default_hold_s,
+            min_requests: self.default_min_requests,
+            max_error_rate_increase: self.default_max_error_rate_increase,
+            max_ttft_p99_ratio: self.default_max_ttft_p99_ratio,
+        }
+    }
+}

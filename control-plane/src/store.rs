@@ -1,0 +1,345 @@
+//! The control plane's view of etcd: one consistent snapshot of every key it
+//! reads, taken in a single range read, and compare-and-swap writes.
+//!
+//! Reads fall back to the last good snapshot when etcd is unreachable and say
+//! how old it is; writes never fall back (UNAVAILABLE).
+use crate::rollout::RolloutRecord;
+use etcd_client::{Client, Compare, CompareOp, ConnectOptions, GetOptions, Txn, TxnOp};
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokenmesh_proto::keys::Keys;
+use tokenmesh_proto::records::{PolicyRecord, StatsRecord, WorkerRecord};
+
+/// Why a store operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("etcd is unreachable: {0}")]
+    Unavailable(String),
+    #[error("{key} changed since it was read (expected revision {expected}, now {current}); read it again and retry")]
+    Conflict {
+        key: String,
+        expected: i64,
+        current: i64,
+    },
+    #[error("cannot encode {0}")]
+    Encode(#[from] serde_json::Error),
+}
+
+impl From<etcd_client::Error> for StoreError {
+    fn from(e: etcd_client::Error) -> Self {
+        StoreError::Unavailable(e.to_string())
+    }
+}
+
+/// A value with the etcd revision it was last modified at.
+#[derive(Clone, Debug)]
+pub struct Versioned<T> {
+    pub value: T,
+    pub mod_revision: i64,
+}
+
+/// A worker registration.
+#[derive(Clone, Debug)]
+pub struct Registered {
+    pub model: String,
+    pub version: String,
+    pub worker_id: String,
+    pub record: WorkerRecord,
+}
+
+/// What one router published about one version.
+#[derive(Clone, Debug)]
+pub struct RouterStats {
+    pub router_id: String,
+    pub model: String,
+    pub version: String,
+    pub record: StatsRecord,
+}
+
+/// Every key the control plane reads, at one revision.
+#[derive(Clone, Debug, Default)]
+pub struct Snapshot {
+    pub revision: i64,
+    pub workers: Vec<Registered>,
+    pub policies: BTreeMap<String, Versioned<PolicyRecord>>,
+    /// Drain reason by worker id.
+    pub drains: BTreeMap<String, String>,
+    pub stats: Vec<RouterStats>,
+    pub rollouts: BTreeMap<String, Versioned<RolloutRecord>>,
+}
+
+impl Snapshot {
+    /// Versions with at least one registered worker, by model.
+    pub fn registered_versions(&self, model: &str) -> Vec<String> {
+        let mut v: Vec<String> = self
+            .workers
+            .iter()
+            .filter(|w| w.model == model)
+            .map(|w| w.version.clone())
+            .collect();
+        v.sort();
+        v.dedup();
+        v
+    }
+
+    /// Whether the model is known at all: it has a policy or registered workers.
+    pub fn knows_model(&self, model: &str) -> bool {
+        self.policies.contains_key(model) || self.workers.iter().any(|w| w.model == model)
+    }
+
+    /// Every model name the snapshot mentions, sorted.
+    pub fn models(&self) -> Vec<String> {
+        let mut m: Vec<String> = self
+            .policies
+            .keys()
+            .cloned()
+            .chain(self.workers.iter().map(|w| w.model.clone()))
+            .collect();
+        m.sort();
+        m.dedup();
+        m
+    }
+}
+
+/// How fresh a read is.
+#[derive(Clone, Debug, Default)]
+pub struct Freshness {
+    pub stale: bool,
+    pub age: Duration,
+    pub reason: String,
+}
+
+impl From<Freshness> for tokenmesh_proto::v1::Freshness {
+    fn from(f: Freshness) -> Self {
+        Self {
+            stale: f.stale,
+            age_ms: f.age.as_millis() as u64,
+            reason: f.reason,
+        }
+    }
+}
+
+/// One key to change in a [`Store::commit`]: written only if its revision is
+/// still `expected` (0: the key must not exist).
+pub struct Guarded {
+    pub key: String,
+    pub expected: i64,
+    /// New value; `None` deletes the key.
+    pub value: Option<String>,
+}
+
+/// etcd access for the control plane.
+#[derive(Clone)]
+pub struct Store {
+    client: Client,
+    keys: Keys,
+    last: Arc<Mutex<Option<(Arc<Snapshot>, Instant)>>>,
+}
+
+/// How long one etcd request may take before the read falls back to the cache.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
+
+impl Store {
+    /// A store on `endpoints`; the connection is made lazily and re-made by
+    /// the client when etcd comes back.
+    pub async fn connect(
+        endpoints: &[String],
+        keys: Keys,
+        tls: Option<&tokenmesh_certs::tls::TlsPaths>,
+    ) -> Result<Self, StoreError> {
+        let client = connect_client(endpoints, tls, Some(REQUEST_TIMEOUT)).await?;
+        Ok(Self {
+            client,
+            keys,
+            last: Arc::new(Mutex::new(None)),
+        })
+    }
+
+    /// The key layout.
+    pub fn keys(&self) -> &Keys {
+        &self.keys
+    }
+
+    /// A fresh snapshot from etcd, or the last good one with its age when
+    /// etcd cannot be read. Err only when nothing was ever read.
+    pub async fn read(&self) -> Result<(Arc<Snapshot>, Freshness), StoreError> {
+        match self.read_live().await {
+            Ok(s) => Ok((s, Freshness::default())),
+            Err(e) => {
+                let last = self.last.lock().expect("snapshot cache lock").clone();
+                match last {
+                    Some((snap, at)) => Ok((
+                        snap,
+                        Freshness {
+                            stale: true,
+                            age: at.elapsed(),
+                            reason: e.to_string(),
+                        },
+                    )),
+                    None => Err(e),
+                }
+            }
+        }
+    }
+
+    /// A snapshot from etcd now; never the cache.
+    pub async fn read_live(&self) -> Result<Arc<Snapshot>, StoreError> {
+        let mut client = self.client.clone();
+        let prefix = self.keys.root();
+        let resp = client
+            .get(prefix, Some(GetOptions::new().with_prefix()))
+            .await?;
+        let mut snap = Snapshot {
+            revision: resp.header().map(|h| h.revision()).unwrap_or(0),
+            ..Default::default()
+        };
+        for kv in resp.kvs() {
+            let Ok(key) = kv.key_str() else { continue };
+            self.parse_into(&mut snap, key, kv.value(), kv.mod_revision());
+        }
+        let snap = Arc::new(snap);
+        *self.last.lock().expect("snapshot cache lock") = Some((snap.clone(), Instant::now()));
+        Ok(snap)
+    }
+
+    fn parse_into(&self, snap: &mut Snapshot, key: &str, value: &[u8], rev: i64) {
+        let k = &self.keys;
+        if let Some((model, version, id)) = k.parse_worker(key) {
+            match serde_json::from_slice::<WorkerRecord>(value) {
+                Ok(record) => snap.workers.push(Registered {
+                    model: model.into(),
+                    version: version.into(),
+                    worker_id: id.into(),
+                    record,
+                }),
+                Err(e) => tracing::warn!(key, error = %e, "ignoring malformed worker registration"),
+            }
+        } else if let Some(model) = k.parse_policy(key) {
+            match serde_json::from_slice::<PolicyRecord>(value) {
+                Ok(value) => {
+                    snap.policies.insert(
+                        model.into(),
+                        Versioned {
+                            value,
+                            mod_revision: rev,
+                        },
+                    );
+                }
+                Err(e) => tracing::warn!(key, error = %e, "ignoring malformed traffic policy"),
+            }
+        } else if let Some(id) = k.parse_drain(key) {
+            snap.drains
+                .insert(id.into(), String::from_utf8_lossy(value).into_owned());
+        } else if let Some((router, model, version)) = k.parse_stats(key) {
+            match serde_json::from_slice::<StatsRecord>(value) {
+                Ok(record) => snap.stats.push(RouterStats {
+                    router_id: router.into(),
+                    model: model.into(),
+                    version: version.into(),
+                    record,
+                }),
+                Err(e) => tracing::warn!(key, error = %e, "ignoring malformed router stats"),
+            }
+        } else if let Some(model) = k.parse_rollout(key) {
+            match serde_json::from_slice::<RolloutRecord>(value) {
+                Ok(value) => {
+                    snap.rollouts.insert(
+                        model.into(),
+                        Versioned {
+                            value,
+                            mod_revision: rev,
+                        },
+                    );
+                }
+                Err(e) => tracing::warn!(key, error = %e, "ignoring malformed rollout record"),
+            }
+        }
+    }
+
+    /// Applies every change at once if every key still has its expected
+    /// revision; otherwise changes nothing and reports the first conflict.
+    /// Returns the new store revision.
+    pub async fn commit(&self, changes: Vec<Guarded>) -> Result<i64, StoreError> {
+        let compares: Vec<Compare> = changes
+            .iter()
+            .map(|c| {
+                if c.expected == 0 {
+                    Compare::version(c.key.as_str(), CompareOp::Equal, 0)
+                } else {
+                    Compare::mod_revision(c.key.as_str(), CompareOp::Equal, c.expected)
+                }
+            })
+            .collect();
+        let ops: Vec<TxnOp> = changes
+            .iter()
+            .map(|c| match &c.value {
+                Some(v) => TxnOp::put(c.key.as_str(), v.as_str(), None),
+                None => TxnOp::delete(c.key.as_str(), None),
+            })
+            .collect();
+        let reads: Vec<TxnOp> = changes
+            .iter()
+            .map(|c| TxnOp::get(c.key.as_str(), None))
+            .collect();
+        let txn = Txn::new().when(compares).and_then(ops).or_else(reads);
+        let mut client = self.client.clone();
+        let resp = client.txn(txn).await?;
+        if resp.succeeded() {
+            return Ok(resp.header().map(|h| h.revision()).unwrap_or(0));
+        }
+        for (change, op) in changes.iter().zip(resp.op_responses()) {
+            if let etcd_client::TxnOpResponse::Get(g) = op {
+                let current = g.kvs().first().map(|kv| kv.mod_revision()).unwrap_or(0);
+                if current != change.expected {
+                    return Err(StoreError::Conflict {
+                        key: change.key.clone(),
+                        expected: change.expected,
+                        current,
+                    });
+                }
+            }
+        }
+        Err(StoreError::Conflict {
+            key: changes.first().map(|c| c.key.clone()).unwrap_or_default(),
+            expected: changes.first().map(|c| c.expected).unwrap_or_default(),
+            current: -1,
+        })
+    }
+
+    /// Writes a key without a guard (drain requests, whose value is only a reason).
+    pub async fn put(&self, key: &str, value: &str) -> Result<(), StoreError> {
+        let mut client = self.client.clone();
+        client.put(key, value, None).await?;
+        Ok(())
+    }
+
+    /// Deletes a key without a guard.
+    pub async fn delete(&self, key: &str) -> Result<(), StoreError> {
+        let mut client = self.client.clone();
+        client.delete(key, None).await?;
+        Ok(())
+    }
+}
+
+/// An etcd client; `timeout` bounds each request (leave it off for clients
+/// that hold long calls such as an election campaign).
+pub async fn connect_client(
+    endpoints: &[String],
+    tls: Option<&tokenmesh_certs::tls::TlsPaths>,
+    timeout: Option<Duration>,
+) -> Result<Client, StoreError> {
+    let mut opts = ConnectOptions::new()
+        .with_connect_timeout(Duration::from_secs(2))
+        .with_keep_alive(Duration::from_secs(5), Duration::from_secs(3))
+        .with_keep_alive_while_idle(true);
+    if let Some(t) = timeout {
+        opts = opts.with_timeout(t);
+    }
+    if let Some(paths) = tls {
+        let tls = tokenmesh_certs::tls::etcd::client_tls(paths)
+            .map_err(|e| StoreError::Unavailable(format!("etcd TLS: {e}")))?;
+        opts = opts.with_tls(tls);
+    }
+    Ok(Client::connect(endpoints, Some(opts)).await?)
+}

@@ -1,0 +1,110 @@
+//! Control-plane processes for the end-to-end suites.
+use crate::{bin, channel, free_port, Creds, Proc};
+use anyhow::{bail, Result};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+use tokenmesh_proto::v1::control_client::ControlClient;
+use tokenmesh_proto::v1::ListWorkersRequest;
+use tonic::transport::Channel;
+
+/// A `tokenmesh-control` replica.
+pub struct ControlProc {
+    pub id: String,
+    pub addr: String,
+    pub proc: Proc,
+    /// What the harness's own clients present (mTLS only).
+    pub creds: Option<Creds>,
+}
+
+/// Options for a control-plane replica.
+#[derive(Clone, Debug)]
+pub struct ControlOpts {
+    pub id: String,
+    pub etcd: String,
+    /// `--tls-dir` of the replica and the credentials the harness probes with.
+    pub tls: Option<(PathBuf, Creds)>,
+    pub election_ttl_s: u64,
+    pub analysis_interval_ms: u64,
+    pub extra: Vec<String>,
+}
+
+impl ControlOpts {
+    /// A plaintext replica named `id` on `etcd`, with test-speed timings.
+    pub fn new(id: &str, etcd: &str) -> Self {
+        Self {
+            id: id.into(),
+            etcd: etcd.into(),
+            tls: None,
+            election_ttl_s: 2,
+            analysis_interval_ms: 300,
+            extra: vec![],
+        }
+    }
+}
+
+impl ControlProc {
+    /// Starts a replica and waits until it answers.
+    pub async fn start(opts: ControlOpts, dir: &Path) -> Result<Self> {
+        let port = free_port();
+        let mut args: Vec<String> = match &opts.tls {
+            Some((d, _)) => vec!["--tls-dir".into(), d.display().to_string()],
+            None => vec!["--insecure".into()],
+        };
+        args.extend([
+            "--listen".into(),
+            format!("127.0.0.1:{port}"),
+            "--etcd".into(),
+            opts.etcd.clone(),
+            "--control-id".into(),
+            opts.id.clone(),
+            "--election-ttl-s".into(),
+            opts.election_ttl_s.to_string(),
+            "--analysis-interval-ms".into(),
+            opts.analysis_interval_ms.to_string(),
+        ]);
+        args.extend(opts.extra.iter().cloned());
+        let mut proc = Proc::spawn(&opts.id, &bin("tokenmesh-control"), &args, dir)?;
+        let addr = format!("http://127.0.0.1:{port}");
+        let creds = opts.tls.as_ref().map(|t| t.1.clone());
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(ch) = channel(&addr, creds.as_ref()).await {
+                if ControlClient::new(ch)
+                    .list_workers(ListWorkersRequest::default())
+                    .await
+                    .is_ok()
+                {
+                    break;
+                }
+            }
+            if !proc.running() || Instant::now() > deadline {
+                bail!(
+                    "control plane {} did not start:\n{}",
+                    opts.id,
+                    proc.log_text()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Ok(Self {
+            id: opts.id,
+            addr,
+            proc,
+            creds,
+        })
+    }
+
+    /// A Control client with the harness's credentials.
+    pub async fn client(&self) -> ControlClient<Channel> {
+        self.client_as(self.creds.as_ref()).await
+    }
+
+    /// A Control client presenting `creds`.
+    pub async fn client_as(&self, creds: Option<&Creds>) -> ControlClient<Channel> {
+        ControlClient::new(
+            channel(&self.addr, creds)
+                .await
+                .expect("connecting to the control plane"),
+        )
+    }
+}
