@@ -20,6 +20,10 @@ need_tls() {
   done
 }
 
+# An empty OTEL_EXPORTER_OTLP_ENDPOINT (compose's way to turn export off)
+# would reach the binaries as an endpoint "" that every export fails on.
+[ -n "${OTEL_EXPORTER_OTLP_ENDPOINT:-}" ] || unset OTEL_EXPORTER_OTLP_ENDPOINT
+
 case "${1:-}" in
   certs-init)
     shift
@@ -40,7 +44,14 @@ case "${1:-}" in
     value="{\"stable\":\"$TOKENMESH_STABLE_VERSION\"}"
     # create the key only if it has never been written: a policy changed by an
     # operator (or the control plane) survives `docker compose up` again
-    out=$(printf 'create("%s") = "0"\n\nput %s %s\n\n' "$key" "$key" "$value" | etcdctl txn)
+    # (txn's parser takes the JSON unquoted: it has no spaces)
+    txn="create(\"$key\") = \"0\"
+
+put $key $value
+
+
+"
+    out=$(printf '%s' "$txn" | etcdctl txn)
     case "$out" in
       SUCCESS*) echo "policy: $key = $value" ;;
       *) echo "policy: $key exists: $(etcdctl get --print-value-only "$key")" ;;

@@ -129,14 +129,15 @@ all_ready_s=$(took "$t_up")
 
 # --- bad input -----------------------------------------------------------------
 step "bad input: missing model file, missing certificate"
+msg() { grep -m1 -E 'tokenmesh-entrypoint|Error' <<<"$1"; }
 bad_model=$(compose run --rm --no-deps -e TOKENMESH_MODEL=/models/absent.gguf worker-v1-1 2>&1) && die "a worker with a missing model started"
-echo "$bad_model" | tail -1
+msg "$bad_model"
 grep -q "/models/absent.gguf" <<<"$bad_model" || die "the missing model's path is not in the message: $bad_model"
 bad_cert=$(compose run --rm --no-deps -e TOKENMESH_TLS_DIR=/certs/worker-absent worker-v1-1 2>&1) && die "a worker with missing certificates started"
-echo "$bad_cert" | tail -1
+msg "$bad_cert"
 grep -q "/certs/worker-absent" <<<"$bad_cert" || die "the missing certificate directory is not in the message: $bad_cert"
 bad_router=$(compose run --rm --no-deps -e TOKENMESH_TLS_DIR=/certs/worker-v1-1 router-1 2>&1) && die "a router with a worker's certificate directory started"
-echo "$bad_router" | tail -1
+msg "$bad_router"
 grep -q "router.pem" <<<"$bad_router" || die "the missing router.pem is not in the message: $bad_router"
 # under compose's restart policy (on-failure:3) it ends as exited, not in a loop
 cat >"$WORK/bad.yml" <<'EOF'
@@ -166,7 +167,7 @@ done
 
 # --- failover -------------------------------------------------------------------
 step "a worker killed mid-stream: the client's stream completes"
-out=$(client --target "$R1" --timeout 120 kill-mid-stream --after-tokens 4 --max-tokens 96 \
+out=$(client --target "$R1" --timeout 120 kill-mid-stream --after-tokens 4 --max-tokens 48 \
   --kill-cmd "${COMPOSE_BIN[*]} kill -s SIGKILL {worker}") || die "failover: $out"
 echo "$out"
 killed=$(json "$out" '["killed"]')
@@ -174,18 +175,23 @@ compose start "$killed"
 client --target "$R1" --timeout 120 wait-ready --want v1=2,v2=1
 
 # --- keepalive ejection -----------------------------------------------------------
-step "a worker cut off the network: ejected by keepalive, back when reconnected"
+step "a worker cut off the network mid-stream: keepalive ejects it, the stream fails over; back when reconnected"
+# A silent partition sends no RST: only the router's HTTP/2 keepalive
+# (1 s interval, 1 s timeout here) notices that the open stream is dead.
+out=$(client --target "$R2" --timeout 120 kill-mid-stream --after-tokens 4 --max-tokens 48 \
+  --kill-cmd "docker network disconnect $NET \$(${COMPOSE_BIN[*]} ps -q {worker})") || die "partition: $out"
+echo "$out"
+cut=$(json "$out" '["killed"]')
+others=$([ "$cut" = worker-v1-1 ] && echo worker-v1-2 || echo worker-v1-1)
+client --target "$R2" --timeout 8 wait-ready --want v1=1 --exact
+echo "router-2 log: $(compose logs --no-color router-2 | grep -E "WARN.*worker=$cut" | tail -2 | sed 's/^[^|]*| //' || true)"
+out=$(client --target "$R2" generate --version v1 --max-tokens 8) || die "generate while a worker is cut off: $out"
+[ "$(json "$out" '["worker"]')" = "$others" ] || die "a request went to the cut-off worker: $out"
 t=$(now)
-docker network disconnect "$NET" "$(cid worker-v1-2)"
-client --target "$R1" --timeout 8 wait-ready --want v1=1 --exact
-ejected_s=$(took "$t")
-echo "ejected after ${ejected_s} s (lease TTL is ${TOKENMESH_LEASE_TTL} s, so keepalive did it)"
-out=$(client --target "$R1" generate --version v1 --max-tokens 8) || die "generate while a worker is cut off: $out"
-[ "$(json "$out" '["worker"]')" = worker-v1-1 ] || die "a request went to the cut-off worker: $out"
-t=$(now)
-docker network connect --alias worker-v1-2 "$NET" "$(cid worker-v1-2)"
+docker network connect --alias "$cut" "$NET" "$(cid "$cut")"
+client --target "$R2" --timeout 60 wait-ready --want v1=2,v2=1
 client --target "$R1" --timeout 60 wait-ready --want v1=2,v2=1
-echo "back after $(took "$t") s"
+echo "$cut back after $(took "$t") s"
 
 # --- etcd node loss ---------------------------------------------------------------
 step "an etcd node stopped: the mesh keeps working"
@@ -215,8 +221,25 @@ meshctl_gen "$R1" | tail -1
 step "a canary rollout through the control plane"
 if $have_control; then
   wait_for '[ "$(health control)" = healthy ]' 60
-  client --target "$CTL" --timeout 240 canary --canary v2 --routers "$R1,$R2" --hold-seconds 3 --min-requests 3
-  canary_result=passed
+  M=smollm2-135m-instruct
+  ctl() { "$B/meshctl" "$@" --control "$CTL" --tls-dir "$WORK/certs"; }
+  ctl canary start "$M" v2 --steps 50,100 --hold 2 --min-requests 3
+  # the control plane writes the policy; both routers follow it from etcd
+  client --timeout 30 split --routers "$R1,$R2" --stable v1 --canary v2 --weight 50 --n 16
+  # The automated analysis advances a step once each arm has --min-requests
+  # requests in the routers' stats (stats/{router}/...); until routers publish
+  # them it holds, and the operator promotes.
+  out=$(client --target "$CTL" --timeout 15 rollout-wait --routers "$R1,$R2")
+  echo "$out"
+  if [ "$(json "$out" '["state"]')" = ROLLOUT_STATE_RUNNING ] && [ "$(json "$out" '["step"]')" = 0 ]; then
+    canary_result="passed (start, 50/50 split on both routers, operator promote); automated advance held: no router stats"
+    ctl canary promote "$M"
+  else
+    canary_result="passed (automated analysis advanced: $(json "$out" '["state"]'))"
+    ctl canary promote "$M" 2>/dev/null || true
+  fi
+  client --timeout 30 split --routers "$R1,$R2" --stable v2 --n 6
+  ctl canary get "$M"
 else
   canary_result="PENDING: tokenmesh-control is not built (the control plane has not landed)"
   echo "$canary_result"
