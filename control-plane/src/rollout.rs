@@ -215,6 +215,17 @@ impl RolloutRecord {
             }),
             State::Promoted | State::RolledBack => None,
         };
+        // Consecutive holds of one step by one decider keep only the newest,
+        // so the record reads as a history of changes with current numbers.
+        let repeats_hold = decision.verdict == Verdict::Hold
+            && self.decisions.last().is_some_and(|last| {
+                last.verdict == Verdict::Hold
+                    && last.step == decision.step
+                    && last.decided_by == decision.decided_by
+            });
+        if repeats_hold {
+            self.decisions.pop();
+        }
         self.decisions.push(decision);
         if self.decisions.len() > MAX_DECISIONS {
             let drop = self.decisions.len() - MAX_DECISIONS;
@@ -378,5 +389,23 @@ mod tests {
         assert_eq!((p.stable.as_str(), p.canary), ("v1", None));
         assert!(!p.sticky, "other policy fields are kept");
         assert_eq!(r.state, State::RolledBack);
+    }
+
+    #[test]
+    fn repeated_holds_keep_only_the_newest() {
+        let d = defaults();
+        let mut r =
+            RolloutRecord::start(&req(vec![5, 100]), "v1", &d, 0, Default::default()).unwrap();
+        let policy = PolicyRecord::default();
+        let mut hold = decision(Verdict::Hold);
+        hold.decided_by = "operator".into();
+        r.apply(hold.clone(), &policy, Default::default());
+        for n in 0..3 {
+            let mut h = decision(Verdict::Hold);
+            h.at_ms = n;
+            r.apply(h, &policy, Default::default());
+        }
+        assert_eq!(r.decisions.len(), 2);
+        assert_eq!(r.decisions[1].at_ms, 2);
     }
 }

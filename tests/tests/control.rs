@@ -19,7 +19,7 @@ const MODEL: &str = "synth";
 /// publishing stats every 300 ms, and one control replica.
 struct Mesh {
     etcd: Etcd,
-    workers: Vec<WorkerProc>,
+    _workers: Vec<WorkerProc>,
     router: RouterProc,
     control: ControlProc,
     _dirs: Vec<tempfile::TempDir>,
@@ -81,7 +81,7 @@ impl Mesh {
             .expect("control plane starts");
         Mesh {
             etcd,
-            workers: ws,
+            _workers: ws,
             router,
             control,
             _dirs: vec![dir, rdir],
@@ -502,7 +502,7 @@ async fn a_new_leader_takes_over_the_running_rollout_within_the_ttl() {
     let mut b = ControlProc::start(ControlOpts::new("cp-b", &mesh.etcd.url), dir.path())
         .await
         .expect("second replica starts");
-    let mut etcd = mesh.etcd.client().await;
+    let etcd = mesh.etcd.client().await;
     let leader_of = |etcd: etcd_client::Client| async move {
         let mut etcd = etcd;
         etcd.leader("/tokenmesh/control/leader")
@@ -551,7 +551,7 @@ async fn a_new_leader_takes_over_the_running_rollout_within_the_ttl() {
     })
     .await;
     assert!(decided_by_a, "the leader analyses the rollout");
-    let mut a = mesh.control;
+    let a = mesh.control;
     a.proc.signal(nix::sys::signal::Signal::SIGKILL);
     let killed = Instant::now();
     assert!(
@@ -697,4 +697,55 @@ async fn drained_worker_gets_no_new_streams_and_finishes_its_own() {
         !keys.iter().any(|k| k.ends_with("/wa")),
         "wa's registration and drain key are gone: {keys:?}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn auditors_read_operators_write_others_are_refused() {
+    use tokenmesh_certs::Role;
+    let pki = tokenmesh_tests::Pki::new().unwrap();
+    let etcd = Etcd::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let _w = worker(&etcd, "s1", "v1", &[], dir.path()).await;
+    let mut opts = ControlOpts::new("cp-a", &etcd.url);
+    opts.tls = Some((
+        pki.issue(Role::Control, "cp-a").unwrap(),
+        pki.creds(Role::Operator, "ops").unwrap(),
+    ));
+    let control = ControlProc::start(opts, dir.path()).await.unwrap();
+    let set = |c: ControlClient<Channel>| async move {
+        let mut c = c;
+        c.set_policy(v1::SetPolicyRequest {
+            model: MODEL.into(),
+            policy: Some(v1::TrafficPolicy {
+                stable_version: "v1".into(),
+                ..Default::default()
+            }),
+            expected_revision: 0,
+        })
+        .await
+    };
+    let auditor = pki.creds(Role::Auditor, "audit").unwrap();
+    let mut a = control.client_as(Some(&auditor)).await;
+    let denied = set(a.clone()).await.unwrap_err();
+    assert_eq!(denied.code(), Code::PermissionDenied, "{denied:?}");
+    assert!(denied.message().contains("auditor"), "{}", denied.message());
+    set(control.client().await)
+        .await
+        .expect("the operator writes");
+    let read = a
+        .get_policy(v1::GetPolicyRequest {
+            model: MODEL.into(),
+        })
+        .await
+        .expect("the auditor reads")
+        .into_inner();
+    assert_eq!(read.policy.unwrap().stable_version, "v1");
+    let client = pki.creds(Role::Client, "app").unwrap();
+    let refused = control
+        .client_as(Some(&client))
+        .await
+        .list_workers(v1::ListWorkersRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::PermissionDenied, "{refused:?}");
 }
