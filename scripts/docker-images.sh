@@ -86,11 +86,18 @@ cp deploy/entrypoint.sh "$ctx/deploy/"
 {
   echo "ARG BASE"
   echo "FROM scratch AS binaries"
+  echo "LABEL org.tokenmesh.stage=binaries"
   echo "COPY target/release/ /out/"
   sed -n '/^# --- runtime/,$p' deploy/Dockerfile
 } >"$ctx/Dockerfile"
+old=$(docker image inspect -f '{{.Id}}' "$IMAGE" 2>/dev/null || true)
 DOCKER_BUILDKIT=0 docker build -q --build-arg BASE="$BASE" -t "$IMAGE" "$ctx" >"$ctx.log" 2>&1 || {
   cat "$ctx.log" >&2
   exit 1
 }
+# the image this one replaces would be left dangling: remove it unless in use
+new=$(docker image inspect -f '{{.Id}}' "$IMAGE")
+if [ -n "$old" ] && [ "$old" != "$new" ]; then docker rmi "$old" >/dev/null 2>&1 || true; fi
+# and so would the classic builder's image of the binaries stage
+docker image prune -f --filter label=org.tokenmesh.stage=binaries >/dev/null
 echo "image $IMAGE built on $BASE: $(took "$t1") s"
