@@ -108,7 +108,6 @@ wait_for() {
   done
 }
 health() { docker inspect -f '{{.State.Health.Status}}' "$(cid "$1")"; }
-state() { docker inspect -f '{{.State.Status}} {{.State.ExitCode}} restarts={{.RestartCount}}' "$(cid "$1")"; }
 
 # --- up --------------------------------------------------------------------
 services=(certs etcd-1 etcd-2 etcd-3 policy-init worker-v1-1 worker-v1-2 worker-v2-1 router-1 router-2)
@@ -175,7 +174,7 @@ compose start "$killed"
 client --target "$R1" --timeout 120 wait-ready --want v1=2,v2=1
 
 # --- keepalive ejection -----------------------------------------------------------
-step "a worker cut off the network mid-stream: keepalive ejects it, the stream fails over; back when reconnected"
+step "a worker cut off the network mid-stream: keepalive ejects it, the stream fails over; it returns when reconnected"
 # A silent partition sends no RST: only the router's HTTP/2 keepalive
 # (1 s interval, 1 s timeout here) notices that the open stream is dead.
 out=$(client --target "$R2" --timeout 120 kill-mid-stream --after-tokens 4 --max-tokens 48 \
@@ -187,11 +186,17 @@ client --target "$R2" --timeout 8 wait-ready --want v1=1 --exact
 echo "router-2 log: $(compose logs --no-color router-2 | grep -E "WARN.*worker=$cut" | tail -2 | sed 's/^[^|]*| //' || true)"
 out=$(client --target "$R2" generate --version v1 --max-tokens 8) || die "generate while a worker is cut off: $out"
 [ "$(json "$out" '["worker"]')" = "$others" ] || die "a request went to the cut-off worker: $out"
+# keep it cut off until its lease has expired and its registration is gone,
+# so that coming back means re-registering, as after a long partition
+etcd_keys() { compose exec -T etcd-2 etcdctl get --prefix --keys-only /tokenmesh/workers/; }
+unregistered() { local keys; keys=$(etcd_keys) || return 1; ! grep -q "/$1\$" <<<"$keys"; }
+wait_for "unregistered $cut" $(( TOKENMESH_LEASE_TTL + 20 ))
+echo "$cut's registration expired with its lease"
 t=$(now)
 docker network connect --alias "$cut" "$NET" "$(cid "$cut")"
 client --target "$R2" --timeout 60 wait-ready --want v1=2,v2=1
 client --target "$R1" --timeout 60 wait-ready --want v1=2,v2=1
-echo "$cut back after $(took "$t") s"
+echo "$cut re-registered and healthy on both routers $(took "$t") s after reconnecting"
 
 # --- etcd node loss ---------------------------------------------------------------
 step "an etcd node stopped: the mesh keeps working"
@@ -200,10 +205,9 @@ for r in "$R1" "$R2"; do client --target "$r" generate --max-tokens 8 >/dev/null
 # registrations live on: they must stay in etcd (read from etcd-2) for longer
 # than one lease TTL, which only works if the workers' lease keep-alives moved
 # to a surviving node
-etcd2() { compose exec -T etcd-2 etcdctl "$@"; }
 t=$(date +%s)
 while [ $(( $(date +%s) - t )) -le $(( TOKENMESH_LEASE_TTL + 2 )) ]; do
-  regs=$(etcd2 get --prefix --keys-only /tokenmesh/workers/ | grep -c . || true)
+  regs=$(etcd_keys | grep -c . || true)
   [ "$regs" -eq 3 ] || die "expected 3 worker registrations with etcd-1 down, found $regs"
 done
 echo "3 worker registrations held for over one lease TTL with etcd-1 down"
