@@ -252,9 +252,10 @@ def cmd_split(args, m):
 
 def cmd_rollout_wait(args, m):
     """Polls GetRollout (operator identity) for up to --timeout s, sending a
-    request through --routers between polls, until the rollout leaves its
-    first step; prints the state and the decisions either way (no failure:
-    the caller decides what a rollout that held means)."""
+    request through --routers between polls (the traffic the analysis
+    judges), until the rollout ends; prints the state, the steps reached and
+    the last decisions either way (the caller decides what a rollout still
+    running means)."""
     cpb = m["control_pb2"]
     control = m["control_pb2_grpc"].ControlStub(channel(args, "operator"))
     stubs = router_stubs(args, m)
@@ -262,13 +263,14 @@ def cmd_rollout_wait(args, m):
     i = 0
     while True:
         r = control.GetRollout(cpb.RolloutRequest(model=MODEL), timeout=5)
-        if r.state != cpb.ROLLOUT_STATE_RUNNING or r.step > 0 or time.monotonic() - start > args.timeout:
+        if r.state != cpb.ROLLOUT_STATE_RUNNING or time.monotonic() - start > args.timeout:
             break
         s = Stream(m["tokenmesh_pb2"], stubs[i % len(stubs)][1], 30, max_tokens=2)
         i += 1
         for _ in s:
             pass
     print(json.dumps({"ok": True, "state": cpb.RolloutState.Name(r.state), "step": r.step,
+                      "waited_s": round(time.monotonic() - start, 1),
                       "steps": list(r.steps), "requests_sent": i,
                       "decisions": [f"step {d.step} at {d.weight} %: {cpb.Verdict.Name(d.verdict)}: {d.reason}"
                                     for d in r.decisions][-3:]}))
