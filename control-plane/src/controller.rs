@@ -138,6 +138,12 @@ fn log_decision(
     stable: &analysis::ArmWindow,
 ) {
     let verdict = format!("{:?}", outcome.verdict).to_lowercase();
+    metrics::counter!(
+        "tokenmesh_canary_decisions_total",
+        "model" => model.to_string(),
+        "verdict" => verdict.clone()
+    )
+    .increment(1);
     tracing::info!(
         model,
         verdict = %verdict,

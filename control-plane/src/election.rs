@@ -24,6 +24,7 @@ pub async fn run(
         match term(client.clone(), &name, &id, ttl, &leading, &mut shutdown).await {
             Ok(()) => return,
             Err(e) => {
+                metrics::gauge!("tokenmesh_control_leader").set(0.0);
                 if leading.send_replace(false) {
                     tracing::warn!(error = %e, "lost leadership of the rollout controller");
                 } else {
@@ -77,11 +78,13 @@ async fn term(
     };
     tracing::info!(id, lease, "leading the rollout controller");
     leading.send_replace(true);
+    metrics::gauge!("tokenmesh_control_leader").set(1.0);
     loop {
         tokio::select! {
             _ = tick.tick() => renew().await?,
             _ = shutdown.changed() => {
                 leading.send_replace(false);
+                metrics::gauge!("tokenmesh_control_leader").set(0.0);
                 let mut opts = ResignOptions::new();
                 if let Some(k) = leader_key {
                     opts = opts.with_leader(k);

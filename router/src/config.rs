@@ -25,6 +25,21 @@ pub struct RouterConfig {
     #[arg(long, env = "TOKENMESH_ETCD_PREFIX", default_value = "/tokenmesh")]
     pub etcd_prefix: String,
 
+    /// This router's id in etcd: its stats are published under
+    /// `stats/{router_id}/{model}/{version}` (default: <hostname>-<pid>).
+    #[arg(long, env = "TOKENMESH_ROUTER_ID")]
+    pub router_id: Option<String>,
+
+    /// How often per-version stats (requests, errors, time to first token,
+    /// workers) are published to etcd, in milliseconds (with --etcd only).
+    #[arg(
+        long,
+        env = "TOKENMESH_STATS_INTERVAL_MS",
+        default_value_t = 5_000,
+        value_parser = clap::value_parser!(u64).range(10..)
+    )]
+    pub stats_interval_ms: u64,
+
     /// Static discovery: a TOML file listing workers and traffic policies.
     #[arg(long = "static", env = "TOKENMESH_STATIC", value_name = "FILE")]
     pub static_file: Option<PathBuf>,
@@ -119,6 +134,19 @@ pub struct RouterConfig {
 }
 
 impl RouterConfig {
+    /// `--router-id`, or `<hostname>-<pid>`: unique per process and stable
+    /// for its life.
+    pub fn router_id(&self) -> String {
+        self.router_id.clone().unwrap_or_else(|| {
+            let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .ok()
+                .map(|h| h.trim().replace('/', "_"))
+                .filter(|h| !h.is_empty())
+                .unwrap_or_else(|| "router".into());
+            format!("{host}-{}", std::process::id())
+        })
+    }
+
     /// Admission limits.
     pub fn admission(&self) -> crate::admission::AdmissionConfig {
         crate::admission::AdmissionConfig {

@@ -11,6 +11,7 @@ pub mod policy;
 pub mod registry;
 pub mod relay;
 pub mod server;
+pub mod stats;
 
 use config::RouterConfig;
 use registry::Registry;
@@ -38,6 +39,8 @@ pub enum RunError {
     Serve(#[from] tonic::transport::Error),
     #[error("listener: {0}")]
     Listener(std::io::Error),
+    #[error("--router-id {0:?}: must be non-empty and contain no '/'")]
+    RouterId(String),
 }
 
 /// Serves `Inference` on `listener` until `shutdown` resolves.
@@ -59,20 +62,46 @@ pub async fn run(
         None => return Err(RunError::NoTransport),
     };
     let registry = Registry::new(cfg.channel(), tls.clone());
+    let (stop_stats, stats_stopped) = tokio::sync::watch::channel(false);
+    let mut publisher = None;
     if let Some(path) = &cfg.static_file {
         discovery::static_file::load(path, &registry)?;
     } else if !cfg.etcd.is_empty() {
+        let router_id = cfg.router_id();
+        if router_id.is_empty() || router_id.contains('/') {
+            return Err(RunError::RouterId(router_id));
+        }
+        let etcd_tls = tls
+            .as_ref()
+            .filter(|_| tokenmesh_certs::tls::etcd::wants_tls(&cfg.etcd))
+            .map(|t| t.store.paths().clone());
         tokio::spawn(discovery::etcd::run(
             cfg.etcd.clone(),
             Keys::new(&cfg.etcd_prefix),
             registry.clone(),
-            tls.as_ref()
-                .filter(|_| tokenmesh_certs::tls::etcd::wants_tls(&cfg.etcd))
-                .map(|t| t.store.paths().clone()),
+            etcd_tls.clone(),
         ));
+        publisher = Some(tokio::spawn(stats::publish::run(
+            stats::publish::PublishConfig {
+                endpoints: cfg.etcd.clone(),
+                keys: Keys::new(&cfg.etcd_prefix),
+                router_id,
+                interval: Duration::from_millis(cfg.stats_interval_ms),
+                tls: etcd_tls,
+            },
+            registry.stats().clone(),
+            registry.clone(),
+            stats_stopped,
+        )));
     } else {
         return Err(RunError::NoDiscovery);
     }
+    // The stats are withdrawn as soon as shutdown begins; streams in flight
+    // still finish.
+    let shutdown = async move {
+        shutdown.await;
+        let _ = stop_stats.send(true);
+    };
     let service = InferenceService::new(
         registry,
         admission::Admission::new(cfg.admission()),
@@ -128,6 +157,10 @@ pub async fn run(
                 )
                 .await?;
         }
+    }
+    if let Some(publisher) = publisher {
+        // Let the lease revocation reach etcd before the process exits.
+        let _ = tokio::time::timeout(Duration::from_secs(3), publisher).await;
     }
     Ok(())
 }

@@ -2,7 +2,8 @@
 //! worker with its channel and live load. Discovery backends write it; the
 //! request path reads it.
 use crate::config::ChannelSettings;
-use std::collections::{BTreeMap, HashMap};
+use crate::stats::Stats;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, RwLock};
 use tokenmesh_certs::tls::{Identity, MeshTls, Role};
@@ -27,6 +28,9 @@ pub struct Endpoint {
     pub healthy: AtomicBool,
     /// The worker said it is draining.
     pub draining: AtomicBool,
+    /// A `drain/{worker_id}` key asks every router to stop sending new
+    /// streams here; streams already here continue.
+    pub drain_requested: AtomicBool,
     /// Dropped when the endpoint leaves the registry: stops its poller.
     _stop: tokio::sync::oneshot::Sender<()>,
 }
@@ -34,7 +38,12 @@ pub struct Endpoint {
 impl Endpoint {
     /// Whether new streams may go here.
     pub fn ready(&self) -> bool {
-        self.healthy.load(Ordering::SeqCst) && !self.draining.load(Ordering::SeqCst)
+        self.healthy.load(Ordering::SeqCst) && !self.is_draining()
+    }
+
+    /// Draining, by the worker's own report or a drain key.
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst) || self.drain_requested.load(Ordering::SeqCst)
     }
 
     /// Live load: streams in flight from this router plus the worker's queue.
@@ -95,6 +104,10 @@ pub struct Registry {
     tls: Option<MeshTls>,
     workers: RwLock<HashMap<String, Arc<Endpoint>>>,
     policies: RwLock<HashMap<String, PolicyRecord>>,
+    /// Worker ids with a drain key, also those not (yet) registered.
+    drained: RwLock<HashSet<String>>,
+    /// What this router's requests did, per version.
+    stats: Arc<Stats>,
 }
 
 /// Why a worker could not be added.
@@ -114,7 +127,40 @@ impl Registry {
             tls,
             workers: RwLock::new(HashMap::new()),
             policies: RwLock::new(HashMap::new()),
+            drained: RwLock::new(HashSet::new()),
+            stats: Arc::new(Stats::default()),
         })
+    }
+
+    /// The per-version counters the request path writes.
+    pub fn stats(&self) -> &Arc<Stats> {
+        &self.stats
+    }
+
+    /// Marks or unmarks a worker as drained by a drain key; applies to a
+    /// worker that registers later too.
+    pub fn set_drain(&self, id: &str, drained: bool) {
+        let mut set = self.drained.write().expect("registry lock");
+        let changed = if drained {
+            set.insert(id.to_string())
+        } else {
+            set.remove(id)
+        };
+        if let Some(ep) = self.workers.read().expect("registry lock").get(id) {
+            ep.drain_requested.store(drained, Ordering::SeqCst);
+        }
+        if changed {
+            tracing::info!(worker = %id, drained, "drain request");
+        }
+    }
+
+    /// Replaces every drain request (after a full resynchronisation).
+    pub fn set_drained(&self, ids: HashSet<String>) {
+        let mut set = self.drained.write().expect("registry lock");
+        for (id, ep) in self.workers.read().expect("registry lock").iter() {
+            ep.drain_requested.store(ids.contains(id), Ordering::SeqCst);
+        }
+        *set = ids;
     }
 
     /// Adds or replaces a worker. An unchanged registration keeps its channel.
@@ -165,10 +211,16 @@ impl Registry {
             reported_queue: AtomicU32::new(0),
             healthy: AtomicBool::new(false),
             draining: AtomicBool::new(false),
+            drain_requested: AtomicBool::new(false),
             _stop: stop_tx,
         });
         tokio::spawn(poll_status(Arc::downgrade(&ep), s.status_interval, stop_rx));
-        tracing::info!(worker = %id, model, version, addr = %ep.record.addr, "worker added");
+        // Under the drain lock, so a drain request cannot slip between the
+        // check and the insert.
+        let drained = self.drained.read().expect("registry lock");
+        ep.drain_requested
+            .store(drained.contains(id), Ordering::SeqCst);
+        tracing::info!(worker = %id, model, version, addr = %ep.record.addr, drained = drained.contains(id), "worker added");
         self.workers
             .write()
             .expect("registry lock")
@@ -294,5 +346,70 @@ async fn poll_status(
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn registry() -> Arc<Registry> {
+        Registry::new(
+            ChannelSettings {
+                keepalive_interval: Duration::from_secs(30),
+                keepalive_timeout: Duration::from_secs(10),
+                connect_timeout: Duration::from_secs(1),
+                status_interval: Duration::from_secs(3600),
+            },
+            None,
+        )
+    }
+
+    fn add(reg: &Registry, id: &str) -> Arc<Endpoint> {
+        let record = WorkerRecord {
+            addr: "http://127.0.0.1:9".into(),
+            model_digest: String::new(),
+            accelerator: "cpu".into(),
+            device: String::new(),
+            capacity: 1,
+            labels: Default::default(),
+            started_at: String::new(),
+        };
+        reg.upsert_worker(id, "m", "v1", record).unwrap();
+        let ep = reg.model("m").unwrap().versions["v1"]
+            .iter()
+            .find(|e| e.id == id)
+            .unwrap()
+            .clone();
+        ep.healthy.store(true, Ordering::SeqCst);
+        ep
+    }
+
+    #[tokio::test]
+    async fn a_drain_key_excludes_the_worker_until_deleted() {
+        let reg = registry();
+        let ep = add(&reg, "w1");
+        assert!(ep.ready());
+        reg.set_drain("w1", true);
+        assert!(!ep.ready() && ep.is_draining());
+        // The worker's own Status report does not lift a drain key.
+        ep.draining.store(false, Ordering::SeqCst);
+        assert!(!ep.ready());
+        reg.set_drain("w1", false);
+        assert!(ep.ready());
+    }
+
+    #[tokio::test]
+    async fn a_drain_key_before_registration_applies_when_the_worker_arrives() {
+        let reg = registry();
+        reg.set_drain("w2", true);
+        let ep = add(&reg, "w2");
+        assert!(!ep.ready());
+        // A full resynchronisation without the key un-drains it.
+        reg.set_drained(HashSet::new());
+        assert!(ep.ready());
+        reg.set_drained(HashSet::from(["w2".to_string()]));
+        assert!(!ep.ready());
     }
 }

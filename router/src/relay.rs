@@ -11,6 +11,7 @@ use crate::admission::Permit;
 use crate::balance;
 use crate::errors::{retryable, RouterError};
 use crate::registry::{InFlight, Registry};
+use crate::stats::Attempt;
 use std::sync::Arc;
 use std::time::Instant;
 use tokenmesh_proto::telemetry;
@@ -26,6 +27,8 @@ pub struct Upstream {
     pub guard: InFlight,
     /// The client span of the call to the worker; ends with the stream.
     pub span: tracing::Span,
+    /// This attempt in the per-version stats.
+    pub attempt: Attempt,
 }
 
 /// Everything the relay needs to continue a request elsewhere.
@@ -116,20 +119,26 @@ pub async fn open(
             }
             call.set_timeout(left);
         }
+        let mut attempt = registry.stats().attempt(&ep.model, &ep.version);
         match client.generate(call).await {
             Ok(resp) => {
                 return Ok(Upstream {
                     stream: resp.into_inner(),
                     guard,
                     span,
+                    attempt,
                 })
             }
             Err(status) if retryable(&status) => {
+                attempt.ended(status.code());
                 span.record("otel.status_code", "ERROR");
                 tracing::warn!(worker = %ep.id, code = ?status.code(), error = %status.message(), "worker refused; trying another");
                 last_error = Some(status);
             }
-            Err(status) => return Err(status),
+            Err(status) => {
+                attempt.ended(status.code());
+                return Err(status);
+            }
         }
     }
     Err(match last_error {
@@ -185,6 +194,7 @@ pub async fn run(
             _ = &mut expiry => {
                 // Dropping the upstream stream (on return) cancels the worker's sequence.
                 meter.code = tonic::Code::DeadlineExceeded;
+                upstream.attempt.ended(tonic::Code::DeadlineExceeded);
                 let _ = out
                     .send(Err(RouterError::DeadlineExceeded { delivered: emitted.len() }.into_status()))
                     .await;
@@ -195,6 +205,9 @@ pub async fn run(
             Ok(Some(msg)) => match msg.event {
                 Some(Event::Accepted(_)) | None => continue,
                 Some(Event::Delta(d)) => {
+                    if emitted.is_empty() && !d.token_ids.is_empty() {
+                        upstream.attempt.first_token(ctx.started.elapsed());
+                    }
                     meter.tokens(d.token_ids.len());
                     emitted.extend_from_slice(&d.token_ids);
                     let m = send(&mut seq, Event::Delta(d));
@@ -217,11 +230,13 @@ pub async fn run(
             Ok(None) => Status::unavailable("worker ended the stream without finishing"),
             Err(status) if !retryable(&status) => {
                 meter.code = status.code();
+                upstream.attempt.ended(status.code());
                 let _ = out.send(Err(status)).await;
                 return;
             }
             Err(status) => status,
         };
+        upstream.attempt.ended(failure.code());
         let lost = upstream.guard.endpoint().id.clone();
         tracing::warn!(
             request_id = %ctx.accepted.request_id,

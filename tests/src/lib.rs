@@ -317,6 +317,26 @@ impl Etcd {
         let _ = self._proc.wait_exit(Duration::from_secs(5));
     }
 
+    /// Every key under `prefix` with its value and lease id.
+    pub async fn get_prefix(&self, prefix: &str) -> Vec<(String, String, i64)> {
+        let resp = self
+            .client()
+            .await
+            .get(prefix, Some(etcd_client::GetOptions::new().with_prefix()))
+            .await
+            .expect("reading the test etcd");
+        resp.kvs()
+            .iter()
+            .map(|kv| {
+                (
+                    kv.key_str().unwrap_or_default().to_string(),
+                    kv.value_str().unwrap_or_default().to_string(),
+                    kv.lease(),
+                )
+            })
+            .collect()
+    }
+
     /// A client.
     pub async fn client(&self) -> etcd_client::Client {
         etcd_client::Client::connect(
@@ -361,6 +381,26 @@ pub struct WorkerOpts {
 }
 
 impl WorkerOpts {
+    /// A synthetic worker serving [`MODEL`] at `tokens_per_sec`, registered
+    /// in `etcd`, with the `extra` flags.
+    pub fn synthetic(
+        id: &str,
+        version: &str,
+        tokens_per_sec: f64,
+        etcd: &str,
+        extra: &[&str],
+    ) -> Self {
+        let mut flags: Vec<String> = vec!["--model-name".into(), MODEL.into()];
+        flags.extend(extra.iter().map(|s| s.to_string()));
+        Self {
+            version: version.into(),
+            etcd: Some(etcd.into()),
+            extra: flags,
+            synthetic_tokens_per_sec: Some(tokens_per_sec),
+            ..Self::new(id)
+        }
+    }
+
     /// A worker with this id, version v1, no etcd.
     pub fn new(id: &str) -> Self {
         Self {

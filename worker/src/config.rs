@@ -55,6 +55,28 @@ pub struct WorkerConfig {
     )]
     pub synthetic_tokens_per_sec: f64,
 
+    /// Synthetic engine only, fault injection for load tests: the fraction
+    /// (0 to 1) of requests that fail with INTERNAL "synthetic fault
+    /// injected" before their first token, chosen by a hash of the request
+    /// id (so the same request fails on every such worker).
+    #[arg(
+        long,
+        env = "TOKENMESH_SYNTHETIC_ERROR_RATE",
+        value_name = "F",
+        value_parser = parse_fraction
+    )]
+    pub synthetic_error_rate: Option<f64>,
+
+    /// Synthetic engine only: extra delay before each sequence's first token,
+    /// in milliseconds (at most one hour).
+    #[arg(
+        long,
+        env = "TOKENMESH_SYNTHETIC_FIRST_TOKEN_DELAY_MS",
+        value_name = "N",
+        value_parser = clap::value_parser!(u64).range(0..=3_600_000)
+    )]
+    pub synthetic_first_token_delay_ms: Option<u64>,
+
     /// How often worker.pem and worker.key are checked for replacement, in
     /// milliseconds; a valid replacement serves new connections at once.
     #[arg(long, env = "TOKENMESH_TLS_RELOAD_MS", default_value_t = 2_000)]
@@ -130,12 +152,28 @@ pub struct WorkerConfig {
     #[arg(long, env = "TOKENMESH_DEFAULT_MAX_TOKENS", default_value_t = 256)]
     pub default_max_tokens: usize,
 
-    /// On SIGTERM, how long in-flight streams may take to finish, in seconds.
+    /// On SIGTERM or a drain key, how long in-flight streams may take to
+    /// finish, in seconds.
     #[arg(long, env = "TOKENMESH_DRAIN_TIMEOUT", default_value_t = 30)]
     pub drain_timeout: u64,
 
+    /// When drained through its etcd key `drain/{worker_id}`, keep running
+    /// (refusing new requests) instead of exiting once in-flight streams end.
+    #[arg(long, env = "TOKENMESH_STAY_DRAINED")]
+    pub stay_drained: bool,
+
     #[command(flatten)]
     pub telemetry: tokenmesh_proto::telemetry::TelemetryArgs,
+}
+
+/// A number in 0..=1.
+fn parse_fraction(s: &str) -> Result<f64, String> {
+    let f: f64 = s.parse().map_err(|e| format!("{e}"))?;
+    if (0.0..=1.0).contains(&f) {
+        Ok(f)
+    } else {
+        Err(format!("{s} is not a fraction between 0 and 1"))
+    }
 }
 
 /// Which engine generates tokens.

@@ -5,6 +5,7 @@
 
 pub mod accelerator;
 pub mod config;
+pub mod drain_key;
 pub mod engine;
 pub mod errors;
 pub mod model_cache;
@@ -41,6 +42,8 @@ pub enum RunError {
     IdMismatch { flag: String, cert: String },
     #[error("--synthetic-tokens-per-sec {0}: must be a positive number")]
     SyntheticRate(f64),
+    #[error("{0} applies to the synthetic engine only; add --engine synthetic or drop it")]
+    SyntheticOnly(&'static str),
     #[error(transparent)]
     Device(#[from] accelerator::AcceleratorError),
     #[error("allocating the KV cache pool: {0}")]
@@ -92,14 +95,26 @@ async fn start_engine(cfg: &WorkerConfig, worker_id: &str) -> Result<StartedEngi
         priority_aging: Duration::from_millis(cfg.priority_aging_ms),
         labels: vec![],
     };
+    if cfg.engine != EngineKind::Synthetic {
+        if cfg.synthetic_error_rate.is_some() {
+            return Err(RunError::SyntheticOnly("--synthetic-error-rate"));
+        }
+        if cfg.synthetic_first_token_delay_ms.is_some() {
+            return Err(RunError::SyntheticOnly("--synthetic-first-token-delay-ms"));
+        }
+    }
     if cfg.engine == EngineKind::Synthetic {
         let rate = cfg.synthetic_tokens_per_sec;
         if !(rate.is_finite() && rate > 0.0) {
             return Err(RunError::SyntheticRate(rate));
         }
+        let error_rate = cfg.synthetic_error_rate.unwrap_or(0.0);
+        let first_token_delay_ms = cfg.synthetic_first_token_delay_ms.unwrap_or(0);
         tracing::warn!(
             tokens_per_sec = rate,
             max_batch = scheduler.max_batch,
+            error_rate,
+            first_token_delay_ms,
             "synthetic engine: no model is loaded; output is a deterministic word cycle"
         );
         return Ok(StartedEngine {
@@ -108,6 +123,8 @@ async fn start_engine(cfg: &WorkerConfig, worker_id: &str) -> Result<StartedEngi
                 tokens_per_sec: rate,
                 max_batch: scheduler.max_batch,
                 queue_capacity: scheduler.queue_capacity,
+                error_rate,
+                first_token_delay: Duration::from_millis(first_token_delay_ms),
             }),
             model_name: cfg.model_name.clone().unwrap_or_else(|| "synthetic".into()),
             digest: "synthetic".into(),
@@ -158,9 +175,11 @@ async fn start_engine(cfg: &WorkerConfig, worker_id: &str) -> Result<StartedEngi
     })
 }
 
-/// Loads the model, serves `Worker` on `listener` until `shutdown` resolves,
-/// then drains: stops taking work, deregisters, lets in-flight streams finish
-/// (bounded by the drain timeout) and returns.
+/// Loads the model, serves `Worker` on `listener` until `shutdown` resolves
+/// or (with etcd) its drain key `drain/{worker_id}` appears, then drains:
+/// stops taking work, deregisters, lets in-flight streams finish (bounded by
+/// the drain timeout) and returns. After a drain key it deletes the key on
+/// its way out, or with `--stay-drained` stays up, drained, until `shutdown`.
 pub async fn run(
     cfg: WorkerConfig,
     listener: TcpListener,
@@ -233,6 +252,15 @@ pub async fn run(
 
     let bound = listener.local_addr().map_err(RunError::Listener)?;
     let (deregister_tx, deregister_rx) = watch::channel(false);
+    let etcd_tls = tls
+        .as_ref()
+        .filter(|_| tokenmesh_certs::tls::etcd::wants_tls(&cfg.etcd))
+        .map(|t| t.store.paths().clone());
+    let drain_key = (!cfg.etcd.is_empty()).then(|| drain_key::DrainKey {
+        endpoints: cfg.etcd.clone(),
+        key: Keys::new(&cfg.etcd_prefix).drain(&identity.worker_id),
+        tls: etcd_tls.clone(),
+    });
     let registration = if cfg.etcd.is_empty() {
         None
     } else {
@@ -253,10 +281,7 @@ pub async fn run(
             key: keys.worker(&identity.model_name, &identity.version, &identity.worker_id),
             value: serde_json::to_string(&record).expect("a WorkerRecord serializes"),
             ttl: cfg.lease_ttl(),
-            tls: tls
-                .as_ref()
-                .filter(|_| tokenmesh_certs::tls::etcd::wants_tls(&cfg.etcd))
-                .map(|t| t.store.paths().clone()),
+            tls: etcd_tls,
         };
         Some(tokio::spawn(registration::run(reg, deregister_rx)))
     };
@@ -265,8 +290,22 @@ pub async fn run(
     let drain_timeout = Duration::from_secs(cfg.drain_timeout);
     let stats = engine.stats().clone();
     let drain_reporter = health_reporter.clone();
+    let stay_drained = cfg.stay_drained;
     let drainer = tokio::spawn(async move {
-        shutdown.await;
+        let mut shutdown = Box::pin(shutdown);
+        let by_key = match &drain_key {
+            Some(key) => tokio::select! {
+                _ = &mut shutdown => false,
+                reason = key.requested() => {
+                    tracing::info!(key = %key.key, reason = %reason, "drain requested through etcd");
+                    true
+                }
+            },
+            None => {
+                (&mut shutdown).await;
+                false
+            }
+        };
         tracing::info!("draining: no new requests; finishing in-flight streams");
         stats.draining.store(true, Ordering::SeqCst);
         drain_reporter
@@ -281,6 +320,15 @@ pub async fn run(
         }
         if let Some(reg) = registration {
             let _ = tokio::time::timeout(Duration::from_secs(3), reg).await;
+        }
+        if by_key {
+            if stay_drained {
+                tracing::info!("drained; staying up until stopped (--stay-drained)");
+                shutdown.await;
+            }
+            if let Some(key) = &drain_key {
+                key.remove().await;
+            }
         }
         let _ = stop_tx.send(());
     });

@@ -47,15 +47,7 @@ async fn register_once(
     cfg: &RegistrationConfig,
     shutdown: &mut watch::Receiver<bool>,
 ) -> Result<(), etcd_client::Error> {
-    let mut opts = ConnectOptions::new()
-        .with_connect_timeout(Duration::from_secs(2))
-        .with_timeout(Duration::from_secs(3));
-    if let Some(paths) = &cfg.tls {
-        let tls = tokenmesh_certs::tls::etcd::client_tls(paths)
-            .map_err(|e| etcd_client::Error::InvalidArgs(e.to_string()))?;
-        opts = opts.with_tls(tls);
-    }
-    let mut client = Client::connect(&cfg.endpoints, Some(opts)).await?;
+    let mut client = connect(&cfg.endpoints, cfg.tls.as_ref(), true).await?;
     let ttl = cfg.ttl.as_secs().max(1) as i64;
     let lease = client.lease_grant(ttl, None).await?.id();
     client
@@ -93,4 +85,26 @@ async fn register_once(
             }
         }
     }
+}
+
+/// A client of the worker's etcd; with `tls`, mutual TLS. `request_timeout`
+/// bounds each unary request (not for watches, which stay open).
+pub(crate) async fn connect(
+    endpoints: &[String],
+    tls: Option<&tokenmesh_certs::tls::TlsPaths>,
+    request_timeout: bool,
+) -> Result<Client, etcd_client::Error> {
+    let mut opts = ConnectOptions::new().with_connect_timeout(Duration::from_secs(2));
+    opts = if request_timeout {
+        opts.with_timeout(Duration::from_secs(3))
+    } else {
+        opts.with_keep_alive(Duration::from_secs(5), Duration::from_secs(3))
+            .with_keep_alive_while_idle(true)
+    };
+    if let Some(paths) = tls {
+        let tls = tokenmesh_certs::tls::etcd::client_tls(paths)
+            .map_err(|e| etcd_client::Error::InvalidArgs(e.to_string()))?;
+        opts = opts.with_tls(tls);
+    }
+    Client::connect(endpoints, Some(opts)).await
 }

@@ -1,5 +1,5 @@
-//! etcd discovery: read `workers/` and `models/` at one revision, then watch
-//! both from the next revision, so no change between the read and the watch is
+//! etcd discovery: read `workers/`, `models/` and `drain/` at one revision,
+//! then watch them from the next revision, so no change between the read and the watch is
 //! missed. If etcd goes away the registry keeps the last known state; on
 //! reconnection everything is read again and stale entries are dropped.
 use crate::registry::Registry;
@@ -31,12 +31,11 @@ pub async fn run(
     }
 }
 
-async fn sync_and_watch(
+/// A client of the router's etcd, with keepalive; with `tls`, mutual TLS.
+pub async fn connect(
     endpoints: &[String],
-    keys: &Keys,
-    registry: &Registry,
     tls: Option<&TlsPaths>,
-) -> Result<(), etcd_client::Error> {
+) -> Result<Client, etcd_client::Error> {
     let mut opts = ConnectOptions::new()
         .with_connect_timeout(Duration::from_secs(2))
         .with_keep_alive(Duration::from_secs(5), Duration::from_secs(3))
@@ -46,19 +45,35 @@ async fn sync_and_watch(
             .map_err(|e| etcd_client::Error::InvalidArgs(e.to_string()))?;
         opts = opts.with_tls(tls);
     }
-    let mut client = Client::connect(endpoints, Some(opts)).await?;
+    Client::connect(endpoints, Some(opts)).await
+}
+
+async fn sync_and_watch(
+    endpoints: &[String],
+    keys: &Keys,
+    registry: &Registry,
+    tls: Option<&TlsPaths>,
+) -> Result<(), etcd_client::Error> {
+    let mut client = connect(endpoints, tls).await?;
 
     let workers = client
         .get(keys.workers_prefix(), Some(GetOptions::new().with_prefix()))
         .await?;
     let revision = workers.header().map(|h| h.revision()).unwrap_or(0);
-    // Read policies at the same revision as the workers.
+    // Read policies and drain requests at the same revision as the workers.
+    let at_revision = || GetOptions::new().with_prefix().with_revision(revision);
     let models = client
-        .get(
-            keys.models_prefix(),
-            Some(GetOptions::new().with_prefix().with_revision(revision)),
-        )
+        .get(keys.models_prefix(), Some(at_revision()))
         .await?;
+    let drains = client.get(keys.drain_prefix(), Some(at_revision())).await?;
+    // Drain requests first, so a worker that has one is never ready for a moment.
+    let mut drained = HashSet::new();
+    for kv in drains.kvs() {
+        if let Some(id) = keys.parse_drain(kv.key_str()?) {
+            drained.insert(id.to_string());
+        }
+    }
+    registry.set_drained(drained.clone());
     let mut seen_workers = HashSet::new();
     for kv in workers.kvs() {
         if let Some(id) = apply_worker_put(keys, registry, kv.key_str()?, kv.value()) {
@@ -77,6 +92,7 @@ async fn sync_and_watch(
         revision,
         workers = seen_workers.len(),
         policies = seen_models.len(),
+        drained = drained.len(),
         "etcd snapshot"
     );
 
@@ -92,10 +108,13 @@ async fn sync_and_watch(
     let mut worker_watch = client.watch(wp, Some(wo)).await?;
     let (mp, mo) = watch_from(keys.models_prefix());
     let mut model_watch = client.watch(mp, Some(mo)).await?;
+    let (dp, d_o) = watch_from(keys.drain_prefix());
+    let mut drain_watch = client.watch(dp, Some(d_o)).await?;
     loop {
         let resp = tokio::select! {
             r = worker_watch.message() => r?,
             r = model_watch.message() => r?,
+            r = drain_watch.message() => r?,
         };
         let Some(resp) = resp else {
             return Err(etcd_client::Error::WatchError("watch stream ended".into()));
@@ -113,12 +132,17 @@ async fn sync_and_watch(
                 EventType::Put => {
                     apply_worker_put(keys, registry, key, kv.value());
                     apply_policy_put(keys, registry, key, kv.value());
+                    if let Some(id) = keys.parse_drain(key) {
+                        registry.set_drain(id, true);
+                    }
                 }
                 EventType::Delete => {
                     if let Some((_, _, id)) = keys.parse_worker(key) {
                         registry.remove_worker(id);
                     } else if let Some(model) = keys.parse_policy(key) {
                         registry.set_policy(model, None);
+                    } else if let Some(id) = keys.parse_drain(key) {
+                        registry.set_drain(id, false);
                     }
                 }
             }

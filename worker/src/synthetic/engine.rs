@@ -1,7 +1,7 @@
 //! The synthetic engine's scheduler: a tokio task that consumes the same
 //! commands as the model's engine thread and paces tokens with timers, so
 //! tests can drive it with `tokio::time::pause`.
-use super::{output_token, token_bytes, CONTEXT_LENGTH};
+use super::{fnv1a, output_token, token_bytes, CONTEXT_LENGTH};
 use crate::engine::detokenize::TextStream;
 use crate::scheduler::{Command, EngineHandle, EngineStats, Event, Finish, SequenceRequest};
 use std::collections::VecDeque;
@@ -20,6 +20,11 @@ pub struct SyntheticConfig {
     pub max_batch: usize,
     /// Sequences allowed to wait for a slot.
     pub queue_capacity: usize,
+    /// Fault injection: the fraction (0..=1) of new sequences that fail
+    /// before their first token.
+    pub error_rate: f64,
+    /// Extra delay before each sequence's first token.
+    pub first_token_delay: Duration,
 }
 
 impl SyntheticConfig {
@@ -27,6 +32,18 @@ impl SyntheticConfig {
     pub fn interval(&self) -> Duration {
         Duration::from_secs_f64(1.0 / self.tokens_per_sec)
     }
+}
+
+/// The message of an injected fault.
+pub const FAULT_MESSAGE: &str = "synthetic fault injected";
+
+/// Whether a request fails under fault injection at `rate`: a hash of its id
+/// mapped onto [0, 1), so the choice is the same on every worker and run, and
+/// `rate` of all ids fail.
+pub fn injects_fault(request_id: &str, rate: f64) -> bool {
+    const SCALE: u64 = 1 << 24;
+    let point = (fnv1a(request_id.as_bytes()) % SCALE) as f64 / SCALE as f64;
+    point < rate
 }
 
 /// Starts the synthetic engine on the current tokio runtime.
@@ -38,9 +55,15 @@ pub fn start(cfg: SyntheticConfig) -> EngineHandle {
         cfg.tokens_per_sec.is_finite() && cfg.tokens_per_sec > 0.0,
         "tokens_per_sec must be positive"
     );
+    assert!(
+        (0.0..=1.0).contains(&cfg.error_rate),
+        "error_rate must be in 0..=1"
+    );
     let (handle, rx) = EngineHandle::channel(cfg.queue_capacity);
     let engine = Synthetic {
         interval: cfg.interval(),
+        error_rate: cfg.error_rate,
+        first_token_delay: cfg.first_token_delay,
         max_batch: cfg.max_batch.max(1),
         stats: handle.stats().clone(),
         waiting: VecDeque::new(),
@@ -58,10 +81,14 @@ struct Active {
     generated: usize,
     next_at: Instant,
     first_token: Option<Duration>,
+    /// Fails when its first token is due (fault injection).
+    fault: bool,
 }
 
 struct Synthetic {
     interval: Duration,
+    error_rate: f64,
+    first_token_delay: Duration,
     max_batch: usize,
     stats: Arc<EngineStats>,
     waiting: VecDeque<SequenceRequest>,
@@ -133,12 +160,18 @@ impl Synthetic {
             let _ = req.events.send(Event::Started {
                 queued: req.enqueued.elapsed(),
             });
+            // Faults hit new requests only; a continuation after a failover
+            // already had its first token.
+            let fault = req.already_emitted == 0
+                && self.error_rate > 0.0
+                && injects_fault(&req.request_id, self.error_rate);
             self.active.push(Active {
                 generated: req.already_emitted,
                 text,
                 prompt,
-                next_at: Instant::now() + self.interval,
+                next_at: Instant::now() + self.first_token_delay + self.interval,
                 first_token: None,
+                fault,
                 req,
             });
         }
@@ -167,14 +200,18 @@ impl Synthetic {
     }
 }
 
-/// How a sequence ended: a finish reason with its stop string, or gone (the
-/// client stopped listening).
+/// How a sequence ended: a finish reason with its stop string, an injected
+/// fault, or gone (the client stopped listening).
 enum End {
     Finished(Finish, Option<String>),
+    Fault,
     Gone,
 }
 
 fn emit_one(a: &mut Active, stats: &EngineStats) -> Option<End> {
+    if a.fault {
+        return Some(End::Fault);
+    }
     let id = output_token(&a.prompt, a.generated);
     if a.first_token.is_none() {
         a.first_token = Some(a.req.enqueued.elapsed());
@@ -202,8 +239,14 @@ fn emit_one(a: &mut Active, stats: &EngineStats) -> Option<End> {
 }
 
 fn finish(mut a: Active, end: End) {
-    let End::Finished(reason, stop) = end else {
-        return;
+    let (reason, stop) = match end {
+        End::Finished(reason, stop) => (reason, stop),
+        End::Fault => {
+            tracing::debug!(request_id = %a.req.request_id, "synthetic fault injected");
+            let _ = a.req.events.send(Event::Failed(FAULT_MESSAGE.into()));
+            return;
+        }
+        End::Gone => return,
     };
     let tail = if reason == Finish::Stop {
         String::new()

@@ -21,9 +21,13 @@
 //!   rest wait in the queue, and a full queue is RESOURCE_EXHAUSTED.
 //! - It never emits an end-of-sequence token: sequences end on `max_tokens`,
 //!   a stop string or the context window.
+//! - **Fault injection** (load tests of canary analysis): a set fraction of
+//!   new requests, chosen by a hash of the request id, fail with INTERNAL
+//!   "synthetic fault injected" when their first token would be due; and a
+//!   set extra delay before every sequence's first token.
 mod engine;
 
-pub use engine::{start, SyntheticConfig};
+pub use engine::{injects_fault, start, SyntheticConfig, FAULT_MESSAGE};
 
 use crate::errors::WorkerError;
 use crate::request::PromptModel;

@@ -10,6 +10,8 @@ fn config(tokens_per_sec: f64, max_batch: usize, queue_capacity: usize) -> Synth
         tokens_per_sec,
         max_batch,
         queue_capacity,
+        error_rate: 0.0,
+        first_token_delay: Duration::ZERO,
     }
 }
 
@@ -184,4 +186,52 @@ async fn a_continuation_yields_what_the_first_worker_would_have() {
             ..
         }
     ));
+}
+
+#[tokio::test(start_paused = true)]
+async fn injected_faults_fail_before_the_first_token_after_the_delay() {
+    let engine = start(SyntheticConfig {
+        error_rate: 1.0,
+        first_token_delay: Duration::from_millis(300),
+        ..config(50.0, 4, 8)
+    });
+    let (req, mut rx) = request("doomed", "hello world", 10, &[]);
+    let submitted = Instant::now();
+    engine.submit(req).unwrap();
+    let (tokens, end) = drain(&mut rx).await;
+    assert!(tokens.is_empty());
+    assert!(
+        matches!(end, Event::Failed(ref m) if m == FAULT_MESSAGE),
+        "{end:?}"
+    );
+    assert_eq!(Instant::now() - submitted, Duration::from_millis(320));
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_first_token_delay_adds_to_the_first_interval_only() {
+    let engine = start(SyntheticConfig {
+        first_token_delay: Duration::from_millis(300),
+        ..config(50.0, 4, 8)
+    });
+    let (req, mut rx) = request("slow", "hello world", 3, &[]);
+    let submitted = Instant::now();
+    engine.submit(req).unwrap();
+    let (tokens, end) = drain(&mut rx).await;
+    assert!(matches!(end, Event::Finished { .. }));
+    assert_eq!(tokens[0].2 - submitted, Duration::from_millis(320));
+    assert_eq!(tokens[2].2 - tokens[0].2, Duration::from_millis(40));
+}
+
+#[test]
+fn fault_choice_is_deterministic_and_close_to_the_rate() {
+    assert!(!injects_fault("any", 0.0));
+    assert!(injects_fault("any", 1.0));
+    assert_eq!(injects_fault("req-7", 0.5), injects_fault("req-7", 0.5));
+    let failed = (0..10_000)
+        .filter(|i| injects_fault(&format!("request-{i}"), 0.3))
+        .count();
+    assert!(
+        (2_700..=3_300).contains(&failed),
+        "{failed} of 10000 at 0.3"
+    );
 }

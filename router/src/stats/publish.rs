@@ -1,0 +1,132 @@
+//! Writes the router's stats to etcd: one key per model version, all under
+//! one lease of this router, kept alive every TTL/3. If etcd goes away the
+//! keys expire with the lease; when it is back a new lease is granted and
+//! everything is written again (the counters themselves live in memory and
+//! are never reset). On shutdown the lease is revoked, which deletes the keys.
+use super::Stats;
+use crate::registry::Registry;
+use etcd_client::{Client, PutOptions};
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+use tokenmesh_certs::tls::TlsPaths;
+use tokenmesh_proto::keys::Keys;
+use tokio::sync::watch;
+
+/// Lease TTL of the stats keys, like the workers' registrations.
+pub const LEASE_TTL: Duration = Duration::from_secs(10);
+
+/// Where and how often to publish.
+#[derive(Clone, Debug)]
+pub struct PublishConfig {
+    pub endpoints: Vec<String>,
+    pub keys: Keys,
+    pub router_id: String,
+    pub interval: Duration,
+    /// Mutual TLS to etcd.
+    pub tls: Option<TlsPaths>,
+}
+
+/// Publishes until `shutdown` turns true, then revokes the lease.
+pub async fn run(
+    cfg: PublishConfig,
+    stats: Arc<Stats>,
+    registry: Arc<Registry>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let mut backoff = Duration::from_millis(200);
+    loop {
+        if *shutdown.borrow() {
+            return;
+        }
+        match publish_under_lease(&cfg, &stats, &registry, &mut shutdown).await {
+            Ok(()) => return,
+            Err(e) => {
+                tracing::warn!(error = %e, router_id = %cfg.router_id, "publishing stats to etcd failed; retrying");
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(backoff) => {}
+            _ = shutdown.changed() => return,
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(5));
+    }
+}
+
+/// One lease: grant, then put every interval and keep alive every TTL/3.
+/// Ok(()) after a clean shutdown.
+async fn publish_under_lease(
+    cfg: &PublishConfig,
+    stats: &Stats,
+    registry: &Registry,
+    shutdown: &mut watch::Receiver<bool>,
+) -> Result<(), etcd_client::Error> {
+    let mut client = crate::discovery::etcd::connect(&cfg.endpoints, cfg.tls.as_ref()).await?;
+    let lease = client
+        .lease_grant(LEASE_TTL.as_secs() as i64, None)
+        .await?
+        .id();
+    tracing::info!(router_id = %cfg.router_id, lease, "publishing stats to etcd");
+    let (mut keeper, mut responses) = client.lease_keep_alive(lease).await?;
+    let mut keep_alive = tokio::time::interval(LEASE_TTL / 3);
+    keep_alive.tick().await;
+    let mut publish = tokio::time::interval(cfg.interval);
+    publish.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut written: HashSet<String> = HashSet::new();
+    loop {
+        tokio::select! {
+            _ = publish.tick() => {
+                written = put_snapshot(&mut client, cfg, stats, registry, lease, &written).await?;
+            }
+            _ = keep_alive.tick() => {
+                keeper.keep_alive().await?;
+                match responses.message().await? {
+                    Some(r) if r.ttl() > 0 => {}
+                    _ => {
+                        return Err(etcd_client::Error::LeaseKeepAliveError(
+                            "lease expired".into(),
+                        ))
+                    }
+                }
+            }
+            _ = shutdown.changed() => {
+                if *shutdown.borrow() {
+                    // Revoking deletes every key under the lease; if etcd is
+                    // away they expire with it anyway.
+                    let _ = client.lease_revoke(lease).await;
+                    tracing::info!(router_id = %cfg.router_id, "stats withdrawn from etcd");
+                    return Ok(());
+                }
+            }
+        }
+    }
+}
+
+/// Puts one record per version under `lease` and deletes the keys of
+/// versions that are gone (no traffic and no workers); the keys written.
+async fn put_snapshot(
+    client: &mut Client,
+    cfg: &PublishConfig,
+    stats: &Stats,
+    registry: &Registry,
+    lease: i64,
+    previous: &HashSet<String>,
+) -> Result<HashSet<String>, etcd_client::Error> {
+    let mut written = HashSet::new();
+    for ((model, version), record) in stats.snapshot(registry) {
+        let key = cfg.keys.stats(&cfg.router_id, &model, &version);
+        let value = serde_json::to_string(&record).expect("a StatsRecord serializes");
+        client
+            .put(
+                key.as_str(),
+                value,
+                Some(PutOptions::new().with_lease(lease)),
+            )
+            .await?;
+        written.insert(key);
+    }
+    for gone in previous.difference(&written) {
+        client.delete(gone.as_str(), None).await?;
+    }
+    Ok(written)
+}

@@ -1,0 +1,150 @@
+//! Router stats in etcd (issue 8): per model version, the upstream attempts,
+//! the attempts that failed on the serving side and the time to first token,
+//! under the router's lease, withdrawn when the router stops.
+use std::collections::BTreeMap;
+use std::time::Duration;
+use tokenmesh_proto::keys::Keys;
+use tokenmesh_proto::records::{StatsRecord, WorkerView, TTFT_BUCKETS_MS};
+use tokenmesh_proto::v1::GenerateRequest;
+use tokenmesh_tests::*;
+use tonic::Code;
+
+fn pinned(version: &str) -> GenerateRequest {
+    GenerateRequest {
+        model: MODEL.into(),
+        prompt: "count these words".into(),
+        max_tokens: Some(3),
+        version: Some(version.into()),
+        ..Default::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn stats_count_attempts_errors_and_ttft_per_version_and_go_with_the_router() {
+    const GOOD: u64 = 5;
+    const BAD: u64 = 4;
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start().await.unwrap();
+    // v1 is slow to its first token (1.1 s: the (1000, 2500] ms bucket);
+    // v2 fails every request before its first token.
+    let good = WorkerOpts::synthetic(
+        "w-good",
+        "v1",
+        50.0,
+        &etcd.url,
+        &["--synthetic-first-token-delay-ms", "1100"],
+    );
+    let bad = WorkerOpts::synthetic(
+        "w-bad",
+        "v2",
+        50.0,
+        &etcd.url,
+        &["--synthetic-error-rate", "1.0"],
+    );
+    let _good = WorkerProc::start(good, dir.path()).await.unwrap();
+    let _bad = WorkerProc::start(bad, dir.path()).await.unwrap();
+    let mut router = RouterProc::start(
+        &[
+            "--etcd".into(),
+            etcd.url.clone(),
+            "--router-id".into(),
+            "r-stats".into(),
+            "--stats-interval-ms".into(),
+            "300".into(),
+        ],
+        dir.path(),
+    )
+    .await
+    .unwrap();
+    router
+        .wait_ready_workers(MODEL, 2, Duration::from_secs(20))
+        .await
+        .unwrap();
+
+    let client = router.client().await;
+    let mut tasks = Vec::new();
+    for i in 0..GOOD + BAD {
+        let mut c = client.clone();
+        let version = if i < GOOD { "v1" } else { "v2" };
+        tasks.push(tokio::spawn(async move {
+            (version, collect(&mut c, pinned(version)).await)
+        }));
+    }
+    for t in tasks {
+        match t.await.unwrap() {
+            ("v1", out) => {
+                let out = out.expect("v1 serves");
+                assert_eq!(out.token_ids.len(), 3);
+            }
+            (_, out) => {
+                // The fault comes after Accepted; the only v2 worker is
+                // excluded from the failover, so the stream is lost.
+                let status = out.expect_err("v2 fails every request");
+                assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+            }
+        }
+    }
+
+    let keys = Keys::default();
+    let read = || async {
+        let mut out = BTreeMap::new();
+        for (key, value, lease) in etcd.get_prefix(&keys.stats_prefix()).await {
+            let (router_id, model, version) = keys.parse_stats(&key).expect("a stats key");
+            assert_eq!((router_id, model), ("r-stats", MODEL));
+            assert_ne!(lease, 0, "stats live under the router's lease");
+            let record: StatsRecord = serde_json::from_str(&value).expect("a StatsRecord");
+            out.insert(version.to_string(), record);
+        }
+        out
+    };
+    let expected = |r: &StatsRecord, requests: u64, errors: u64, ttft_bucket: Option<usize>| {
+        let mut ttft = vec![0; TTFT_BUCKETS_MS.len() + 1];
+        if let Some(b) = ttft_bucket {
+            ttft[b] = requests;
+        }
+        r.requests == requests && r.errors == errors && r.ttft_counts == ttft
+    };
+    let idle = |id: &str| {
+        BTreeMap::from([(
+            id.to_string(),
+            WorkerView {
+                healthy: true,
+                draining: false,
+                in_flight: 0,
+                queue_depth: 0,
+            },
+        )])
+    };
+    let settled = eventually(Duration::from_secs(10), || async {
+        let s = read().await;
+        match (s.get("v1"), s.get("v2")) {
+            (Some(v1), Some(v2)) => {
+                // 1.1 s to the first token: the (1000, 2500] ms bucket.
+                expected(v1, GOOD, 0, Some(8))
+                    && expected(v2, BAD, BAD, None)
+                    && v1.workers == idle("w-good")
+                    && v2.workers == idle("w-bad")
+            }
+            _ => false,
+        }
+    })
+    .await;
+    let last = read().await;
+    assert!(settled, "published stats: {last:#?}");
+    for r in last.values() {
+        assert!(r.started_at_ms > 0 && r.started_at_ms <= r.updated_at_ms);
+    }
+
+    // SIGTERM: the router revokes its lease on the way out.
+    router.proc.signal(nix::sys::signal::Signal::SIGTERM);
+    let status = router
+        .proc
+        .wait_exit(Duration::from_secs(15))
+        .expect("the router stops on SIGTERM");
+    assert!(status.success(), "{}", router.proc.log_text());
+    assert_eq!(
+        etcd.get_prefix(&keys.stats_prefix()).await,
+        vec![],
+        "the router's stats must go with it"
+    );
+}
