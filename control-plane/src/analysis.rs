@@ -182,12 +182,14 @@ pub fn decide(r: &RolloutRecord, canary: &ArmWindow, stable: &ArmWindow, now_ms:
         }
         let canary_p99 = canary.ttft_p99_ms();
         if let Some(s) = reference.as_ref().filter(|s| s.ttft_p99_ms > 0.0) {
-            if canary_p99 > s.ttft_p99_ms * r.max_ttft_p99_ratio {
+            let limit = (s.ttft_p99_ms * r.max_ttft_p99_ratio)
+                .max(s.ttft_p99_ms + r.min_ttft_p99_increase_ms);
+            if canary_p99 > limit {
                 return Outcome {
                     verdict: Verdict::Rollback,
                     reason: format!(
-                        "canary TTFT p99 {:.0} ms exceeds {:.1}x stable's {:.0} ms",
-                        canary_p99, r.max_ttft_p99_ratio, s.ttft_p99_ms
+                        "canary TTFT p99 {:.0} ms exceeds stable's {:.0} ms by more than {:.1}x and {:.0} ms",
+                        canary_p99, s.ttft_p99_ms, r.max_ttft_p99_ratio, r.min_ttft_p99_increase_ms
                     ),
                 };
             }
@@ -261,6 +263,7 @@ mod tests {
             min_requests: 50,
             max_error_rate_increase: 0.02,
             max_ttft_p99_ratio: 1.5,
+            min_ttft_p99_increase_ms: 50.0,
         };
         let req = StartCanaryRequest {
             model: "m".into(),
@@ -331,6 +334,14 @@ mod tests {
         let out = decide(&r, &arm("v2", 60, 0, 7), &arm("v1", 200, 0, 2), 1_000);
         assert_eq!(out.verdict, Verdict::Rollback);
         assert!(out.reason.contains("TTFT"), "{}", out.reason);
+    }
+
+    #[test]
+    fn tiny_ttft_differences_on_a_fast_model_pass() {
+        let r = rollout(vec![25, 100]);
+        // 5-10 ms against 0-5 ms: twice as slow, but only by a few ms.
+        let out = decide(&r, &arm("v2", 60, 0, 1), &arm("v1", 200, 0, 0), 20_000);
+        assert_eq!(out.verdict, Verdict::Advance, "{}", out.reason);
     }
 
     #[test]

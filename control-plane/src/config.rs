@@ -74,6 +74,15 @@ pub struct ControlConfig {
     )]
     pub default_max_ttft_p99_ratio: f64,
 
+    /// Default rollback threshold: ... and above it by at least this many
+    /// milliseconds (keeps a few ms of noise on a fast model from failing a rollout).
+    #[arg(
+        long,
+        env = "TOKENMESH_DEFAULT_MIN_TTFT_P99_INCREASE_MS",
+        default_value_t = 50.0
+    )]
+    pub default_min_ttft_p99_increase_ms: f64,
+
     /// Window over which `MeshStatus` computes rates, in seconds.
     #[arg(long, env = "TOKENMESH_STATUS_WINDOW_S", default_value_t = 60)]
     pub status_window_s: u64,
@@ -108,6 +117,7 @@ impl ControlConfig {
             min_requests: self.default_min_requests,
             max_error_rate_increase: self.default_max_error_rate_increase,
             max_ttft_p99_ratio: self.default_max_ttft_p99_ratio,
+            min_ttft_p99_increase_ms: self.default_min_ttft_p99_increase_ms,
         }
     }
 }

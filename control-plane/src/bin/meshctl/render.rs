@@ -105,6 +105,7 @@ pub fn rollout_json(r: &v1::Rollout) -> Value {
         "hold_seconds": r.hold_seconds, "min_requests": r.min_requests,
         "max_error_rate_increase": r.max_error_rate_increase,
         "max_ttft_p99_ratio": r.max_ttft_p99_ratio,
+        "min_ttft_p99_increase_ms": r.min_ttft_p99_increase_ms,
         "state": state_name(r.state), "started_at_ms": r.started_at_ms,
         "step_started_at_ms": r.step_started_at_ms,
         "decisions": r.decisions.iter().map(decision_json).collect::<Vec<_>>(),
@@ -140,7 +141,7 @@ pub fn rollout_table(r: &v1::Rollout) -> String {
     let mut s = freshness_note(&r.freshness);
     let _ = writeln!(
         s,
-        "model {}: {} -> {}  state {}  step {}/{} ({}%)  steps {:?}  hold {} s  min {} requests  tolerance +{:.1} points errors, {:.2}x TTFT p99",
+        "model {}: {} -> {}  state {}  step {}/{} ({}%)  steps {:?}  hold {} s  min {} requests  tolerance +{:.1} points errors, {:.2}x and +{:.0} ms TTFT p99",
         r.model,
         r.stable_version,
         r.canary_version,
@@ -152,7 +153,8 @@ pub fn rollout_table(r: &v1::Rollout) -> String {
         r.hold_seconds,
         r.min_requests,
         r.max_error_rate_increase * 100.0,
-        r.max_ttft_p99_ratio
+        r.max_ttft_p99_ratio,
+        r.min_ttft_p99_increase_ms
     );
     for d in &r.decisions {
         let _ = writeln!(s, "  {}", decision_line(d));
