@@ -17,7 +17,7 @@ pub mod views;
 use config::ControlConfig;
 use std::future::Future;
 use std::time::Duration;
-use tokenmesh_certs::tls::{AuthLayer, MeshTls, Role};
+use tokenmesh_certs::tls::{AuthLayer, Role};
 use tokenmesh_proto::keys::Keys;
 use tokenmesh_proto::v1::control_server::ControlServer;
 use tokio::net::TcpListener;
@@ -29,8 +29,8 @@ const SAMPLE_EVERY: Duration = Duration::from_secs(2);
 /// Why the control plane could not start or stopped abnormally.
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
-    #[error("choose a transport: --tls-dir DIR for mutual TLS, or --insecure for plaintext (development only)")]
-    NoTransport,
+    #[error(transparent)]
+    Transport(#[from] tokenmesh_certs::tls::TransportError),
     #[error("--tls-dir: {0}")]
     Tls(#[from] tokenmesh_certs::tls::TlsError),
     #[error(transparent)]
@@ -48,18 +48,12 @@ pub async fn run(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), RunError> {
-    let tls = match &cfg.tls_dir {
-        Some(dir) => {
-            let tls = MeshTls::load(dir, Role::Control)?;
-            tracing::info!(identity = %tls.store.identity(), dir = %dir.display(), "mutual TLS");
-            Some(tls)
-        }
-        None if cfg.insecure => {
-            tracing::warn!("INSECURE: serving plaintext gRPC with no identities (--insecure): anyone may write; development only");
-            None
-        }
-        None => return Err(RunError::NoTransport),
-    };
+    let tls = tokenmesh_certs::tls::server_transport(
+        cfg.tls_dir.as_deref(),
+        cfg.insecure,
+        Role::Control,
+        ": anyone may write",
+    )?;
     let etcd_tls = tls
         .as_ref()
         .filter(|_| tokenmesh_certs::tls::etcd::wants_tls(&cfg.etcd))

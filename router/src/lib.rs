@@ -18,7 +18,7 @@ use registry::Registry;
 use server::{InferenceService, RoutingSettings};
 use std::future::Future;
 use std::time::Duration;
-use tokenmesh_certs::tls::{AuthLayer, MeshTls, Role};
+use tokenmesh_certs::tls::{AuthLayer, Role};
 use tokenmesh_proto::keys::Keys;
 use tokenmesh_proto::v1::inference_server::InferenceServer;
 use tokio::net::TcpListener;
@@ -27,8 +27,8 @@ use tonic::transport::server::TcpIncoming;
 /// Why the router could not start or stopped abnormally.
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
-    #[error("choose a transport: --tls-dir DIR for mutual TLS, or --insecure for plaintext (development only)")]
-    NoTransport,
+    #[error(transparent)]
+    Transport(#[from] tokenmesh_certs::tls::TransportError),
     #[error("--tls-dir: {0}")]
     Tls(#[from] tokenmesh_certs::tls::TlsError),
     #[error("choose discovery: --etcd URL[,URL...] or --static FILE")]
@@ -49,18 +49,12 @@ pub async fn run(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), RunError> {
-    let tls = match &cfg.tls_dir {
-        Some(dir) => {
-            let tls = MeshTls::load(dir, Role::Router)?;
-            tracing::info!(identity = %tls.store.identity(), dir = %dir.display(), "mutual TLS");
-            Some(tls)
-        }
-        None if cfg.insecure => {
-            tracing::warn!("INSECURE: serving and dialing plaintext gRPC with no identities (--insecure); development only");
-            None
-        }
-        None => return Err(RunError::NoTransport),
-    };
+    let tls = tokenmesh_certs::tls::server_transport(
+        cfg.tls_dir.as_deref(),
+        cfg.insecure,
+        Role::Router,
+        ", also to workers",
+    )?;
     let registry = Registry::new(cfg.channel(), tls.clone());
     let (stop_stats, stats_stopped) = tokio::sync::watch::channel(false);
     let mut publisher = None;

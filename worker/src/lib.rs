@@ -23,7 +23,7 @@ use std::future::Future;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokenmesh_certs::tls::{AuthLayer, MeshTls, Role};
+use tokenmesh_certs::tls::{AuthLayer, Role};
 use tokenmesh_proto::keys::Keys;
 use tokenmesh_proto::records::WorkerRecord;
 use tokenmesh_proto::v1::worker_server::WorkerServer;
@@ -34,8 +34,8 @@ use tonic::transport::server::TcpIncoming;
 /// Why the worker could not start or stopped abnormally.
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
-    #[error("choose a transport: --tls-dir DIR for mutual TLS, or --insecure for plaintext (development only)")]
-    NoTransport,
+    #[error(transparent)]
+    Transport(#[from] tokenmesh_certs::tls::TransportError),
     #[error("--tls-dir: {0}")]
     Tls(#[from] tokenmesh_certs::tls::TlsError),
     #[error("--worker-id {flag} differs from the name in the worker certificate ({cert}); routers would refuse this worker")]
@@ -197,25 +197,21 @@ pub async fn run(
 ) -> Result<(), RunError> {
     // Certificates are checked before the model loads, so a bad file fails
     // fast with its name in the error.
-    let tls = match &cfg.tls_dir {
-        Some(dir) => {
-            let tls = MeshTls::load(dir, Role::Worker)?;
-            let name = tls.store.identity().name;
-            if let Some(flag) = cfg.worker_id.as_ref().filter(|f| **f != name) {
-                return Err(RunError::IdMismatch {
-                    flag: flag.clone(),
-                    cert: name,
-                });
-            }
-            tracing::info!(identity = %tls.store.identity(), dir = %dir.display(), "mutual TLS");
-            Some(tls)
+    let tls = tokenmesh_certs::tls::server_transport(
+        cfg.tls_dir.as_deref(),
+        cfg.insecure,
+        Role::Worker,
+        "",
+    )?;
+    if let Some(tls) = &tls {
+        let name = tls.store.identity().name;
+        if let Some(flag) = cfg.worker_id.as_ref().filter(|f| **f != name) {
+            return Err(RunError::IdMismatch {
+                flag: flag.clone(),
+                cert: name,
+            });
         }
-        None if cfg.insecure => {
-            tracing::warn!("INSECURE: serving plaintext gRPC with no identities (--insecure); development only");
-            None
-        }
-        None => return Err(RunError::NoTransport),
-    };
+    }
     let worker_id = cfg
         .worker_id
         .clone()

@@ -22,6 +22,38 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+/// Why a server has no transport to serve on.
+#[derive(Debug, thiserror::Error)]
+pub enum TransportError {
+    #[error("choose a transport: --tls-dir DIR for mutual TLS, or --insecure for plaintext (development only)")]
+    NoTransport,
+    #[error("--tls-dir: {0}")]
+    Tls(#[from] TlsError),
+}
+
+/// A server's transport from its `--tls-dir` and `--insecure` flags: its
+/// mutual-TLS material as `role`, or `None` for plaintext (logged as a
+/// warning, with `insecure_note` saying what that exposes).
+pub fn server_transport(
+    tls_dir: Option<&Path>,
+    insecure: bool,
+    role: Role,
+    insecure_note: &str,
+) -> Result<Option<MeshTls>, TransportError> {
+    match tls_dir {
+        Some(dir) => {
+            let tls = MeshTls::load(dir, role)?;
+            tracing::info!(identity = %tls.store.identity(), dir = %dir.display(), "mutual TLS");
+            Ok(Some(tls))
+        }
+        None if insecure => {
+            tracing::warn!("INSECURE: plaintext gRPC with no identities (--insecure){insecure_note}; development only");
+            Ok(None)
+        }
+        None => Err(TransportError::NoTransport),
+    }
+}
+
 /// One process's mutual-TLS material: the mesh CA and its own certificate.
 #[derive(Clone, Debug)]
 pub struct MeshTls {
