@@ -579,9 +579,13 @@ async fn a_new_leader_takes_over_the_running_rollout_within_the_ttl() {
         .await,
         "cp-b takes over"
     );
+    // The lease lapses at most one TTL after its last renewal, which came
+    // before the kill; etcd checks expiry every 500 ms, and two tests share
+    // the machine's two cores.
     let takeover = killed.elapsed();
+    eprintln!("cp-b took over {takeover:?} after cp-a was killed (TTL 2 s)");
     assert!(
-        takeover <= Duration::from_millis(2_000 + 700),
+        takeover <= Duration::from_millis(2_000 + 1_000),
         "took over after {takeover:?} (TTL 2 s)"
     );
     let end = watch_to_end(&mut c, Duration::from_secs(30)).await;
