@@ -5,7 +5,7 @@
 //! recorded as a span event.
 use crate::analysis::{self, Outcome};
 use crate::rollout::{now_ms, ArmRecord, Decision, RolloutRecord, Verdict};
-use crate::store::{Guarded, Snapshot, Store, StoreError};
+use crate::store::{Guarded, Snapshot, Store, StoreError, Versioned};
 use std::time::Duration;
 use tokenmesh_proto::records::PolicyRecord;
 use tokio::sync::watch;
@@ -73,29 +73,22 @@ async fn analyse(
         stable: ArmRecord::from(&stable),
         decided_by: id.to_string(),
     };
-    commit_decision(store, snapshot, model, decision, now).await?;
+    commit_decision(store, snapshot, model, stored, decision, now).await?;
     log_decision(model, &outcome, &canary, &stable);
     Ok(())
 }
 
-/// Writes `decision` into the rollout and the policy it implies, guarded by
-/// both keys' revisions in `snapshot`.
+/// Writes `decision` into `stored` (the model's rollout as read in
+/// `snapshot`) and the policy it implies, guarded by both keys' revisions.
 pub async fn commit_decision(
     store: &Store,
     snapshot: &Snapshot,
     model: &str,
+    stored: &Versioned<RolloutRecord>,
     decision: Decision,
     counters_now: analysis::ByIncarnation,
 ) -> Result<RolloutRecord, StoreError> {
     let keys = store.keys();
-    let stored = snapshot
-        .rollouts
-        .get(model)
-        .ok_or_else(|| StoreError::Conflict {
-            key: keys.rollout(model),
-            expected: 0,
-            current: 0,
-        })?;
     let (policy, policy_rev) = snapshot
         .policies
         .get(model)

@@ -54,10 +54,7 @@ pub async fn run(
         Role::Control,
         ": anyone may write",
     )?;
-    let etcd_tls = tls
-        .as_ref()
-        .filter(|_| tokenmesh_certs::tls::etcd::wants_tls(&cfg.etcd))
-        .map(|t| t.store.paths().clone());
+    let etcd_tls = tokenmesh_certs::tls::etcd::client_paths(tls.as_ref(), &cfg.etcd);
     let keys = Keys::new(&cfg.etcd_prefix);
     let store = store::Store::connect(&cfg.etcd, keys.clone(), etcd_tls.as_ref()).await?;
     let id = cfg.id();

@@ -346,25 +346,26 @@ impl Control for ControlService {
                     _ = tokio::time::sleep(WATCH_POLL) => {}
                     _ = tx.closed() => return,
                 }
-                let Ok((snap, fresh)) = store.read().await else {
-                    continue;
-                };
-                let rev = snap.rollouts.get(&model).map(|r| r.mod_revision);
-                if rev == last_rev {
-                    continue;
-                }
-                last_rev = rev;
-                match rollout_response(&snap, &model, fresh) {
-                    Ok(r) => {
-                        running = r.state == v1::RolloutState::Running as i32;
-                        if tx.send(Ok(r)).await.is_err() {
-                            return;
-                        }
-                    }
-                    Err(e) => {
-                        let _ = tx.send(Err(e.into())).await;
+                // One key per poll, not the whole snapshot.
+                let stored = match store.rollout(&model).await {
+                    Ok(Some(r)) => r,
+                    Ok(None) => {
+                        let _ = tx
+                            .send(Err(ControlError::NoRollout(model.clone()).into()))
+                            .await;
                         return;
                     }
+                    Err(_) => continue,
+                };
+                if Some(stored.mod_revision) == last_rev {
+                    continue;
+                }
+                last_rev = Some(stored.mod_revision);
+                let mut r = stored.value.to_proto(&model);
+                r.freshness = Some(Freshness::default().into());
+                running = r.state == v1::RolloutState::Running as i32;
+                if tx.send(Ok(r)).await.is_err() {
+                    return;
                 }
             }
         });
@@ -477,7 +478,7 @@ impl ControlService {
             stable: ArmRecord::from(&stable),
             decided_by: who.clone(),
         };
-        let rollout = commit_decision(&self.store, &snap, &model, decision, now)
+        let rollout = commit_decision(&self.store, &snap, &model, stored, decision, now)
             .await
             .map_err(ControlError::from)?;
         tracing::info!(model = %model, by = %who, verdict = ?verdict, "rollout ended by operator");

@@ -206,6 +206,23 @@ impl Store {
         Ok(snap)
     }
 
+    /// One model's rollout from etcd now (a single key, for watchers that
+    /// poll), or `None` when it has none.
+    pub async fn rollout(
+        &self,
+        model: &str,
+    ) -> Result<Option<Versioned<RolloutRecord>>, StoreError> {
+        let mut client = self.client.clone();
+        let resp = client.get(self.keys.rollout(model), None).await?;
+        let Some(kv) = resp.kvs().first() else {
+            return Ok(None);
+        };
+        Ok(Some(Versioned {
+            value: serde_json::from_slice(kv.value())?,
+            mod_revision: kv.mod_revision(),
+        }))
+    }
+
     fn parse_into(&self, snap: &mut Snapshot, key: &str, value: &[u8], rev: i64) {
         let k = &self.keys;
         if let Some((model, version, id)) = k.parse_worker(key) {

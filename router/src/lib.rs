@@ -65,10 +65,7 @@ pub async fn run(
         if router_id.is_empty() || router_id.contains('/') {
             return Err(RunError::RouterId(router_id));
         }
-        let etcd_tls = tls
-            .as_ref()
-            .filter(|_| tokenmesh_certs::tls::etcd::wants_tls(&cfg.etcd))
-            .map(|t| t.store.paths().clone());
+        let etcd_tls = tokenmesh_certs::tls::etcd::client_paths(tls.as_ref(), &cfg.etcd);
         tokio::spawn(discovery::etcd::run(
             cfg.etcd.clone(),
             Keys::new(&cfg.etcd_prefix),

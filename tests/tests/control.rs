@@ -170,6 +170,20 @@ async fn watch_to_end(c: &mut ControlClient<Channel>, timeout: Duration) -> v1::
     last.expect("at least one rollout state")
 }
 
+/// The stored policy's (stable, canary) versions.
+async fn policy_arms(c: &mut ControlClient<Channel>) -> (String, String) {
+    let p = c
+        .get_policy(v1::GetPolicyRequest {
+            model: MODEL.into(),
+        })
+        .await
+        .expect("policy readable")
+        .into_inner()
+        .policy
+        .expect("model has a policy");
+    (p.stable_version, p.canary_version)
+}
+
 fn verdict(d: &v1::Decision) -> v1::Verdict {
     v1::Verdict::try_from(d.verdict).unwrap()
 }
@@ -219,6 +233,10 @@ async fn healthy_canary_is_promoted_and_the_split_follows_each_step() {
         let (canary, stable) = (d.canary.clone().unwrap(), d.stable.clone().unwrap());
         let total = (canary.requests + stable.requests) as f64;
         let share = canary.requests as f64 / total * 100.0;
+        eprintln!(
+            "step at {}%: canary took {share:.1}% of {total} requests",
+            d.weight
+        );
         // The window opens when the controller moves the weight, so a few
         // hundred milliseconds of the previous weight's traffic are in it.
         assert!(
@@ -228,22 +246,7 @@ async fn healthy_canary_is_promoted_and_the_split_follows_each_step() {
         );
         assert_eq!(canary.errors, 0);
     }
-    let policy = c
-        .get_policy(v1::GetPolicyRequest {
-            model: MODEL.into(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .policy
-        .unwrap();
-    assert_eq!(
-        (
-            policy.stable_version.as_str(),
-            policy.canary_version.as_str()
-        ),
-        ("v2", "")
-    );
+    assert_eq!(policy_arms(&mut c).await, ("v2".into(), String::new()));
     // And the router follows: everything now goes to v2.
     let mut client = mesh.router.client().await;
     assert!(
@@ -330,22 +333,7 @@ async fn rolled_back(faults: &[&str]) -> v1::Decision {
             "a round with {seen} canary requests did not roll back: {d:#?}"
         );
     }
-    let policy = c
-        .get_policy(v1::GetPolicyRequest {
-            model: MODEL.into(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .policy
-        .unwrap();
-    assert_eq!(
-        (
-            policy.stable_version.as_str(),
-            policy.canary_version.as_str()
-        ),
-        ("v1", "")
-    );
+    assert_eq!(policy_arms(&mut c).await, ("v1".into(), String::new()));
     last
 }
 

@@ -258,10 +258,7 @@ pub async fn run(
 
     let bound = listener.local_addr().map_err(RunError::Listener)?;
     let (deregister_tx, deregister_rx) = watch::channel(false);
-    let etcd_tls = tls
-        .as_ref()
-        .filter(|_| tokenmesh_certs::tls::etcd::wants_tls(&cfg.etcd))
-        .map(|t| t.store.paths().clone());
+    let etcd_tls = tokenmesh_certs::tls::etcd::client_paths(tls.as_ref(), &cfg.etcd);
     let drain_key = (!cfg.etcd.is_empty()).then(|| drain_key::DrainKey {
         endpoints: cfg.etcd.clone(),
         key: Keys::new(&cfg.etcd_prefix).drain(&identity.worker_id),

@@ -11,6 +11,13 @@ pub fn wants_tls(endpoints: &[String]) -> bool {
     endpoints.iter().any(|e| e.starts_with("https://"))
 }
 
+/// The certificate files a process presents to etcd: its own mesh TLS
+/// material when it has some and an endpoint is `https://`, else none.
+pub fn client_paths(tls: Option<&crate::tls::MeshTls>, endpoints: &[String]) -> Option<TlsPaths> {
+    tls.filter(|_| wants_tls(endpoints))
+        .map(|t| t.store.paths().clone())
+}
+
 /// The client TLS config for etcd from `paths` (etcd-client's `TlsOptions`
 /// is tonic's `ClientTlsConfig`).
 pub fn client_tls(paths: &TlsPaths) -> Result<ClientTlsConfig, TlsError> {
