@@ -1,7 +1,9 @@
 //! The KV cache as fixed-size blocks from one pool allocated at start-up.
 //!
 //! Every layer's keys and values live in two preallocated (slots, kv_dim)
-//! tensors sized by a memory budget; a sequence owns a list of blocks of
+//! arrays sized by a memory budget (candle tensors on the model's device for
+//! the candle backend, host memory for the CPU kernels, where pages are only
+//! touched as blocks are first used); a sequence owns a list of blocks of
 //! `block_size` slots. Sequences of any length come and go without the memory
 //! fragmenting or growing, and a full pool is a scheduling decision (wait or
 //! preempt), never an allocation failure.
@@ -42,17 +44,29 @@ impl KvCache {
     pub(crate) fn advance(&mut self, n: usize) {
         self.len += n;
     }
+
+    /// Forgets the positions from `len` on (their blocks stay held), so that
+    /// they are computed again; benchmarks rerun a step this way.
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+}
+
+/// Where the keys and values live.
+enum Storage {
+    /// Per layer: keys and values, (blocks * block_size, kv_dim) tensors.
+    Tensors(Vec<(Tensor, Tensor)>, Device),
+    /// Per layer: keys and values, blocks * block_size * kv_dim values.
+    Host(Vec<(Vec<f32>, Vec<f32>)>),
 }
 
 /// The preallocated block pool.
 pub struct KvPool {
     block_size: usize,
     kv_dim: usize,
-    /// Per layer: keys and values, (blocks * block_size, kv_dim) each.
-    layers: Vec<(Tensor, Tensor)>,
+    storage: Storage,
     free: Vec<u32>,
     total: usize,
-    device: Device,
 }
 
 impl KvPool {
@@ -62,16 +76,15 @@ impl KvPool {
         cfg.n_layer * 2 * cfg.n_kv_head * cfg.head_dim * DType::F32.size_in_bytes()
     }
 
-    /// A pool of as many `block_size`-token blocks as `budget_bytes` holds.
+    /// A pool of as many `block_size`-token blocks as `budget_bytes` holds,
+    /// as tensors on `device` (the candle backend).
     pub fn new(
         cfg: &LlamaConfig,
         budget_bytes: usize,
         block_size: usize,
         device: &Device,
     ) -> candle_core::Result<Self> {
-        let block_size = block_size.max(1);
-        let total = (budget_bytes / (Self::bytes_per_token(cfg) * block_size)).max(1);
-        let kv_dim = cfg.n_kv_head * cfg.head_dim;
+        let (block_size, total, kv_dim) = Self::shape(cfg, budget_bytes, block_size);
         let slots = total * block_size;
         let layers = (0..cfg.n_layer)
             .map(|_| {
@@ -81,15 +94,41 @@ impl KvPool {
                 ))
             })
             .collect::<candle_core::Result<Vec<_>>>()?;
-        Ok(Self {
+        Ok(Self::with_storage(
+            block_size,
+            total,
+            kv_dim,
+            Storage::Tensors(layers, device.clone()),
+        ))
+    }
+
+    /// The same pool in host memory (the CPU kernels).
+    pub fn new_host(cfg: &LlamaConfig, budget_bytes: usize, block_size: usize) -> Self {
+        let (block_size, total, kv_dim) = Self::shape(cfg, budget_bytes, block_size);
+        let len = total * block_size * kv_dim;
+        // Zeroed allocations map untouched pages: resident memory grows with
+        // the blocks in use, up to the budget.
+        let layers = (0..cfg.n_layer)
+            .map(|_| (vec![0f32; len], vec![0f32; len]))
+            .collect();
+        Self::with_storage(block_size, total, kv_dim, Storage::Host(layers))
+    }
+
+    fn shape(cfg: &LlamaConfig, budget_bytes: usize, block_size: usize) -> (usize, usize, usize) {
+        let block_size = block_size.max(1);
+        let total = (budget_bytes / (Self::bytes_per_token(cfg) * block_size)).max(1);
+        (block_size, total, cfg.n_kv_head * cfg.head_dim)
+    }
+
+    fn with_storage(block_size: usize, total: usize, kv_dim: usize, storage: Storage) -> Self {
+        Self {
             block_size,
             kv_dim,
-            layers,
+            storage,
             // Hand out low block numbers first.
             free: (0..total as u32).rev().collect(),
             total,
-            device: device.clone(),
-        })
+        }
     }
 
     /// Tokens per block.
@@ -138,14 +177,49 @@ impl KvPool {
         seq.len = 0;
     }
 
-    fn slot(&self, seq: &KvCache, pos: usize) -> usize {
+    /// The slot (row of the layer arrays) that holds position `pos` of `seq`.
+    pub fn slot(&self, seq: &KvCache, pos: usize) -> usize {
         seq.blocks[pos / self.block_size] as usize * self.block_size + pos % self.block_size
+    }
+
+    /// Values per slot: kv heads times head size.
+    pub fn kv_dim(&self) -> usize {
+        self.kv_dim
+    }
+
+    /// Host keys and values of `layer`, (slots, kv_dim) row-major.
+    pub fn host_layer(&self, layer: usize) -> Option<(&[f32], &[f32])> {
+        match &self.storage {
+            Storage::Host(l) => Some((&l[layer].0, &l[layer].1)),
+            Storage::Tensors(..) => None,
+        }
+    }
+
+    /// Host keys and values of `layer`, for writing.
+    pub fn host_layer_mut(&mut self, layer: usize) -> Option<(&mut [f32], &mut [f32])> {
+        match &mut self.storage {
+            Storage::Host(l) => {
+                let (k, v) = &mut l[layer];
+                Some((k, v))
+            }
+            Storage::Tensors(..) => None,
+        }
+    }
+
+    fn tensors(&self, layer: usize) -> candle_core::Result<(&Tensor, &Tensor, &Device)> {
+        match &self.storage {
+            Storage::Tensors(l, device) => Ok((&l[layer].0, &l[layer].1, device)),
+            Storage::Host(_) => Err(candle_core::Error::Msg(
+                "the KV pool is in host memory, not tensors".into(),
+            )),
+        }
     }
 
     /// Slot indices of positions 0..len of `seq`, for `gather`.
     pub fn slots(&self, seq: &KvCache, len: usize) -> candle_core::Result<Tensor> {
         let ids: Vec<u32> = (0..len).map(|p| self.slot(seq, p) as u32).collect();
-        Tensor::from_vec(ids, len, &self.device)
+        let (.., device) = self.tensors(0)?;
+        Tensor::from_vec(ids, len, device)
     }
 
     /// Writes keys and values (n, kv_dim) for positions start..start + n.
@@ -157,7 +231,7 @@ impl KvPool {
         k: &Tensor,
         v: &Tensor,
     ) -> candle_core::Result<()> {
-        let (kc, vc) = &self.layers[layer];
+        let (kc, vc, _) = self.tensors(layer)?;
         let n = k.dim(0)?;
         debug_assert_eq!(k.dim(1)?, self.kv_dim);
         let mut done = 0;
@@ -175,7 +249,7 @@ impl KvPool {
 
     /// Keys and values of the slots in `slots`, (len, kv_dim) each.
     pub fn gather(&self, layer: usize, slots: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
-        let (kc, vc) = &self.layers[layer];
+        let (kc, vc, _) = self.tensors(layer)?;
         Ok((kc.index_select(slots, 0)?, vc.index_select(slots, 0)?))
     }
 }

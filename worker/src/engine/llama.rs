@@ -1,4 +1,5 @@
-//! A llama-architecture forward pass over weights read from a GGUF file.
+//! The llama architecture's shape, and its forward pass on candle tensors
+//! (the CUDA backend; the CPU backend is `engine::cpu`).
 //!
 //! candle's own `quantized_llama` keeps one KV cache and one position for the
 //! whole batch inside the model, which rules out continuous batching. This
@@ -7,9 +8,8 @@
 //! projections (where the time goes), attention runs per sequence, and logits
 //! are computed only for each sequence's last token.
 //!
-//! Weights are dequantized to f32 at load: candle's Q4_1 CPU kernel is a scalar
-//! loop that does not batch, and its 8-bit activation quantization flips
-//! near-ties against llama.cpp's reference output.
+//! Weights are dequantized to f32 at load: candle's quantized kernels do not
+//! batch, and on a GPU the dequantized weights cost memory, not speed.
 pub use super::kv_pool::KvCache;
 use super::kv_pool::KvPool;
 use candle_core::quantized::gguf_file;
@@ -218,22 +218,9 @@ impl LlamaModel {
             .collect();
         let mut slots = Vec::with_capacity(batch.len());
         for s in batch.iter() {
-            let total = s.cache.len() + s.tokens.len();
-            if s.tokens.is_empty() || total > cfg.context_length {
-                return Err(ModelError::Candle(candle_core::Error::Msg(format!(
-                    "sequence of {} + {} tokens does not fit the context of {}",
-                    s.cache.len(),
-                    s.tokens.len(),
-                    cfg.context_length
-                ))));
-            }
-            if pool.shortfall(s.cache, total) > 0 {
-                return Err(ModelError::Candle(candle_core::Error::Msg(
-                    "KV blocks were not reserved before the step".into(),
-                )));
-            }
+            check_step(cfg, pool, s)?;
             // The same slots serve every layer.
-            slots.push(pool.slots(s.cache, total)?);
+            slots.push(pool.slots(s.cache, s.cache.len() + s.tokens.len())?);
         }
         let n_total = ids.len();
         let ids = Tensor::from_vec(ids, n_total, &self.device)?;
@@ -339,6 +326,29 @@ impl LlamaModel {
     pub fn vocab_size(&self) -> usize {
         self.cfg.vocab_size
     }
+}
+
+/// Checks that a sequence's step fits its context and its reserved blocks.
+pub(crate) fn check_step(
+    cfg: &LlamaConfig,
+    pool: &KvPool,
+    s: &SeqStep<'_>,
+) -> Result<(), ModelError> {
+    let total = s.cache.len() + s.tokens.len();
+    if s.tokens.is_empty() || total > cfg.context_length {
+        return Err(ModelError::Candle(candle_core::Error::Msg(format!(
+            "sequence of {} + {} tokens does not fit the context of {}",
+            s.cache.len(),
+            s.tokens.len(),
+            cfg.context_length
+        ))));
+    }
+    if pool.shortfall(s.cache, total) > 0 {
+        return Err(ModelError::Candle(candle_core::Error::Msg(
+            "KV blocks were not reserved before the step".into(),
+        )));
+    }
+    Ok(())
 }
 
 /// cos/sin tables for interleaved rotary embeddings (GGUF llama weights are

@@ -1,16 +1,18 @@
 //! The model: GGUF weights, tokenizer and chat template, loaded once and
 //! shared read-only by the engine thread and the request handlers.
+pub mod backend;
 pub mod chat_template;
+pub mod cpu;
 pub mod detokenize;
 pub mod kv_pool;
 pub mod llama;
 pub mod sampling;
 pub mod tokenizer;
 
+use backend::Backend;
 use candle_core::quantized::gguf_file;
 use candle_core::Device;
 use chat_template::ChatTemplate;
-use llama::LlamaModel;
 use sha2::{Digest, Sha256};
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
@@ -39,7 +41,7 @@ pub enum LoadError {
 
 /// Everything the worker knows about its model.
 pub struct LoadedModel {
-    pub llama: LlamaModel,
+    pub llama: Backend,
     pub tokenizer: GgufTokenizer,
     /// None when the GGUF file carries no chat template.
     pub template: Option<ChatTemplate>,
@@ -72,7 +74,7 @@ impl LoadedModel {
             .get("general.name")
             .and_then(|v| v.to_string().ok())
             .cloned();
-        let llama = LlamaModel::load(&content, &mut file, device)?;
+        let llama = Backend::load(&content, &mut file, device)?;
         Ok(Self {
             llama,
             tokenizer,

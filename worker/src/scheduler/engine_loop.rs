@@ -67,12 +67,9 @@ impl Scheduler {
         cfg: SchedulerConfig,
         stats: Arc<EngineStats>,
     ) -> Result<Self, candle_core::Error> {
-        let pool = KvPool::new(
-            model.llama.config(),
-            cfg.kv_budget_bytes,
-            cfg.kv_block_size,
-            model.llama.device(),
-        )?;
+        let pool = model
+            .llama
+            .kv_pool(cfg.kv_budget_bytes, cfg.kv_block_size)?;
         stats
             .kv_blocks_total
             .store(pool.total_blocks() as u32, Ordering::SeqCst);
@@ -311,12 +308,9 @@ impl Scheduler {
                     }
                 })
                 .collect();
-            self.model
-                .llama
-                .forward(&self.pool, &mut batch)
-                .and_then(|l| Ok(l.to_vec2::<f32>()?))
+            self.model.llama.forward(&mut self.pool, &mut batch)
         };
-        let logits = match logits {
+        let mut logits = match logits {
             Ok(l) => l,
             Err(e) => {
                 tracing::error!(error = %e, "forward pass failed");
@@ -338,14 +332,14 @@ impl Scheduler {
         let eos = self.model.tokenizer.eos_token_ids();
         let context_length = self.model.llama.config().context_length;
         let mut done = Vec::new();
-        for (i, mut row) in stepping.into_iter().zip(logits) {
+        for (i, row) in stepping.into_iter().zip(logits.rows_mut()) {
             let s = &mut self.active[i];
             if s.pending() > 0 {
                 continue; // mid-prompt: these logits are not a prediction we need
             }
             let ctx = &s.req.context;
             let recent = &ctx[ctx.len().saturating_sub(PENALTY_WINDOW)..];
-            let sampled = s.sampler.sample(&mut row, recent);
+            let sampled = s.sampler.sample(row, recent);
             if s.prefilling {
                 s.prefilling = false;
                 s.phase = tracing::info_span!(parent: &s.req.span, "decode", tokens = tracing::field::Empty);

@@ -1,0 +1,384 @@
+//! The CPU backend: a llama forward pass over the GGUF file's quantized
+//! weights as they are, with SIMD kernels of our own.
+//!
+//! candle's CPU path could not do this well: its Q4_1 dot product is a scalar
+//! loop that runs one activation row at a time, so the first engine
+//! dequantized every weight to f32 (four to eight times the bytes to read per
+//! token, and the resident memory to match) and spent much of each step in
+//! per-operation allocation. Here the weights stay in their blocks, every
+//! projection is one batched quantized product (a weight block is read once
+//! for all of a step's tokens), attention reads keys and values in place from
+//! the KV pool's blocks, row-wise steps (norms, the SiLU gate) are fused into
+//! the quantization of the next product's input, and the large buffers are
+//! reused from step to step. The compute threads are our own fork-join pool
+//! (`threads`), tuned for a step's many short parallel regions.
+#[allow(unsafe_code)]
+mod attention;
+#[allow(unsafe_code)]
+pub mod matmul;
+pub mod quant;
+#[allow(unsafe_code)]
+mod rows;
+#[allow(unsafe_code)]
+mod threads;
+// The tiles index several per-row arrays with one counter.
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code, clippy::needless_range_loop)]
+mod x86;
+
+use super::kv_pool::KvPool;
+use super::llama::{LlamaConfig, ModelError, SeqStep};
+use attention::{Heads, SeqRows};
+use candle_core::quantized::{gguf_file, GgmlDType};
+use candle_core::Device;
+use matmul::{Blocks, Linear, QMatrix};
+use quant::{BlockQ8A, QK};
+use std::io::{Read, Seek, SeekFrom};
+use std::sync::Mutex;
+use threads::ComputePool;
+
+struct Layer {
+    attn_norm: Vec<f32>,
+    /// q, k and v projections, fused where their formats match.
+    wqkv: Linear,
+    wo: Linear,
+    ffn_norm: Vec<f32>,
+    /// gate and up projections, fused where their formats match.
+    w_gate_up: Linear,
+    w_down: Linear,
+}
+
+/// Buffers reused from step to step.
+#[derive(Default)]
+struct Scratch {
+    x: Vec<f32>,
+    qa: Vec<BlockQ8A>,
+    qkv: Vec<f32>,
+    attn: Vec<f32>,
+    proj: Vec<f32>,
+    gu: Vec<f32>,
+    logits: Vec<f32>,
+}
+
+/// A llama model on the CPU kernels.
+pub struct CpuLlama {
+    cfg: LlamaConfig,
+    embed: QMatrix,
+    /// None when the output matrix is the embedding (tied weights).
+    lm_head: Option<QMatrix>,
+    norm: Vec<f32>,
+    layers: Vec<Layer>,
+    /// cos and sin of every (position, frequency), (context, head_dim / 2).
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+    scratch: Mutex<Scratch>,
+    /// The compute threads (the engine thread and helpers).
+    threads: ComputePool,
+}
+
+/// Compute threads: `RAYON_NUM_THREADS` (which the worker's `--threads` sets,
+/// for candle's kernels too), else every core.
+fn thread_count() -> usize {
+    std::env::var("RAYON_NUM_THREADS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
+fn read_raw<R: Read + Seek>(
+    content: &gguf_file::Content,
+    reader: &mut R,
+    name: &str,
+) -> Result<(GgmlDType, Vec<usize>, Vec<u8>), ModelError> {
+    let info = content
+        .tensor_infos
+        .get(name)
+        .ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
+    let dims = info.shape.dims().to_vec();
+    let elems: usize = dims.iter().product();
+    let dtype = info.ggml_dtype;
+    let bytes = elems / dtype.block_size() * dtype.type_size();
+    let mut buf = vec![0u8; bytes];
+    reader
+        .seek(SeekFrom::Start(content.tensor_data_offset + info.offset))
+        .and_then(|_| reader.read_exact(&mut buf))
+        .map_err(|e| ModelError::Candle(candle_core::Error::Msg(format!("reading {name}: {e}"))))?;
+    Ok((dtype, dims, buf))
+}
+
+/// A 2-D weight in a format the kernels run: Q4_1 and Q8_0 as stored, any
+/// other type requantized to Q8_0 (8 bits per weight loses next to nothing).
+fn matrix<R: Read + Seek>(
+    content: &gguf_file::Content,
+    reader: &mut R,
+    name: &str,
+) -> Result<QMatrix, ModelError> {
+    let (dtype, dims, bytes) = read_raw(content, reader, name)?;
+    let [rows, cols] = dims[..] else {
+        return Err(ModelError::Metadata(format!(
+            "{name} has shape {dims:?}, expected 2 dimensions"
+        )));
+    };
+    if cols % QK != 0 {
+        return Err(ModelError::Metadata(format!(
+            "{name} has rows of {cols} values; the CPU kernels need a multiple of {QK}"
+        )));
+    }
+    let blocks = match dtype {
+        GgmlDType::Q4_1 => Blocks::Q4_1(quant::parse_q4_1(&bytes)),
+        GgmlDType::Q8_0 => Blocks::Q8_0(quant::parse_q8_0(&bytes)),
+        _ => {
+            let dense = content
+                .tensor(reader, name, &Device::Cpu)?
+                .dequantize(&Device::Cpu)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            Blocks::Q8_0(quant::quantize_q8_0(&dense))
+        }
+    };
+    Ok(QMatrix { rows, cols, blocks })
+}
+
+fn vector<R: Read + Seek>(
+    content: &gguf_file::Content,
+    reader: &mut R,
+    name: &str,
+) -> Result<Vec<f32>, ModelError> {
+    if !content.tensor_infos.contains_key(name) {
+        return Err(ModelError::MissingTensor(name.to_string()));
+    }
+    Ok(content
+        .tensor(reader, name, &Device::Cpu)?
+        .dequantize(&Device::Cpu)?
+        .flatten_all()?
+        .to_vec1::<f32>()?)
+}
+
+impl CpuLlama {
+    /// Reads the weights, keeping Q4_1 and Q8_0 blocks as they are.
+    pub fn load<R: Read + Seek>(
+        content: &gguf_file::Content,
+        reader: &mut R,
+    ) -> Result<Self, ModelError> {
+        let cfg = LlamaConfig::from_gguf(content)?;
+        let embed = matrix(content, reader, "token_embd.weight")?.interleaved();
+        let mut layers = Vec::with_capacity(cfg.n_layer);
+        for i in 0..cfg.n_layer {
+            let name = |n: &str| format!("blk.{i}.{n}.weight");
+            let mut m = |n: &str| matrix(content, reader, &name(n));
+            let wqkv = Linear::fused(vec![m("attn_q")?, m("attn_k")?, m("attn_v")?]);
+            let wo = Linear::fused(vec![m("attn_output")?]);
+            let w_gate_up = Linear::fused(vec![m("ffn_gate")?, m("ffn_up")?]);
+            let w_down = Linear::fused(vec![m("ffn_down")?]);
+            layers.push(Layer {
+                attn_norm: vector(content, reader, &name("attn_norm"))?,
+                ffn_norm: vector(content, reader, &name("ffn_norm"))?,
+                wqkv,
+                wo,
+                w_gate_up,
+                w_down,
+            });
+        }
+        let norm = vector(content, reader, "output_norm.weight")?;
+        // Tied embeddings (as in SmolLM2) have no separate output matrix.
+        let lm_head = match matrix(content, reader, "output.weight") {
+            Ok(m) => Some(m.interleaved()),
+            Err(ModelError::MissingTensor(_)) => None,
+            Err(e) => return Err(e),
+        };
+        let half = cfg.head_dim / 2;
+        let inv: Vec<f32> = (0..half)
+            .map(|i| 1.0 / cfg.rope_theta.powf(2.0 * i as f32 / cfg.head_dim as f32))
+            .collect();
+        let mut cos = Vec::with_capacity(cfg.context_length * half);
+        let mut sin = Vec::with_capacity(cfg.context_length * half);
+        for p in 0..cfg.context_length {
+            for f in &inv {
+                let a = p as f32 * f;
+                cos.push(a.cos());
+                sin.push(a.sin());
+            }
+        }
+        let model = Self {
+            cfg,
+            embed,
+            lm_head,
+            norm,
+            layers,
+            cos,
+            sin,
+            scratch: Mutex::default(),
+            threads: ComputePool::new(thread_count())
+                .map_err(|e| ModelError::Metadata(format!("compute threads: {e}")))?,
+        };
+        tracing::info!(
+            weights_mib = model.weight_bytes() >> 20,
+            threads = model.threads.threads(),
+            simd = matmul::simd_available(),
+            "CPU kernels: quantized weights loaded"
+        );
+        Ok(model)
+    }
+
+    /// The model's shape.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.cfg
+    }
+
+    /// Bytes the weights take in memory.
+    pub fn weight_bytes(&self) -> usize {
+        self.embed.bytes()
+            + self.lm_head.as_ref().map_or(0, QMatrix::bytes)
+            + self
+                .layers
+                .iter()
+                .map(|l| l.wqkv.bytes() + l.wo.bytes() + l.w_gate_up.bytes() + l.w_down.bytes())
+                .sum::<usize>()
+    }
+
+    /// Runs one step for several sequences and returns the logits of each
+    /// sequence's last new token, one row per sequence, flattened.
+    pub fn forward(
+        &self,
+        pool: &mut KvPool,
+        batch: &mut [SeqStep<'_>],
+    ) -> Result<Vec<f32>, ModelError> {
+        let cfg = &self.cfg;
+        let (hidden, hd) = (cfg.hidden, cfg.head_dim);
+        let (q_dim, kv_dim) = (cfg.n_head * hd, cfg.n_kv_head * hd);
+        let qkv_ld = q_dim + 2 * kv_dim;
+        let ffn = self.layers.first().map_or(0, |l| l.w_down.cols);
+
+        let mut slots: Vec<Vec<usize>> = Vec::with_capacity(batch.len());
+        for s in batch.iter() {
+            let total = s.cache.len() + s.tokens.len();
+            super::llama::check_step(cfg, pool, s)?;
+            slots.push((0..total).map(|p| pool.slot(s.cache, p)).collect());
+        }
+        let mut seqs = Vec::with_capacity(batch.len());
+        let mut row = 0;
+        for (s, sl) in batch.iter().zip(&slots) {
+            let n = s.tokens.len();
+            seqs.push(SeqRows {
+                rows: row..row + n,
+                pos0: s.cache.len(),
+                slots: sl,
+            });
+            row += n;
+        }
+        let n = row;
+
+        let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let sc = &mut *guard;
+        let widest = hidden.max(ffn).max(q_dim);
+        sc.x.resize(n * hidden, 0.0);
+        sc.qa.resize(n * widest / QK, BlockQ8A::default());
+        sc.qkv.resize(n * qkv_ld, 0.0);
+        sc.attn.resize(n * q_dim, 0.0);
+        sc.proj.resize(n * hidden, 0.0);
+        sc.gu.resize(n * 2 * ffn, 0.0);
+
+        let mut r = 0;
+        for s in batch.iter() {
+            for &t in s.tokens {
+                if t as usize >= self.embed.rows {
+                    return Err(ModelError::Metadata(format!(
+                        "token id {t} is outside the vocabulary of {}",
+                        self.embed.rows
+                    )));
+                }
+                self.embed
+                    .row(t as usize, &mut sc.x[r * hidden..(r + 1) * hidden]);
+                r += 1;
+            }
+        }
+
+        let eps = cfg.rms_eps as f32;
+        let heads = Heads {
+            n_head: cfg.n_head,
+            n_kv_head: cfg.n_kv_head,
+            head_dim: hd,
+        };
+        for (li, layer) in self.layers.iter().enumerate() {
+            rows::norm_quantize(&self.threads, &sc.x, &layer.attn_norm, eps, &mut sc.qa);
+            layer.wqkv.forward(&self.threads, &sc.qa, n, &mut sc.qkv);
+
+            let (keys, values) = pool
+                .host_layer_mut(li)
+                .ok_or_else(|| ModelError::Metadata("the KV pool is not in host memory".into()))?;
+            for s in &seqs {
+                for (i, row) in s.rows.clone().enumerate() {
+                    let pos = s.pos0 + i;
+                    let line = &mut sc.qkv[row * qkv_ld..(row + 1) * qkv_ld];
+                    self.rope(&mut line[..q_dim + kv_dim], pos);
+                    let slot = s.slots[pos];
+                    keys[slot * kv_dim..(slot + 1) * kv_dim]
+                        .copy_from_slice(&line[q_dim..q_dim + kv_dim]);
+                    values[slot * kv_dim..(slot + 1) * kv_dim]
+                        .copy_from_slice(&line[q_dim + kv_dim..]);
+                }
+            }
+            let (keys, values) = pool.host_layer(li).expect("host pool");
+            attention::attend(
+                &self.threads,
+                &seqs,
+                heads,
+                &sc.qkv,
+                qkv_ld,
+                keys,
+                values,
+                &mut sc.attn,
+            );
+
+            rows::quantize(&self.threads, &sc.attn, q_dim, &mut sc.qa);
+            layer.wo.forward(&self.threads, &sc.qa, n, &mut sc.proj);
+            add_into(&mut sc.x, &sc.proj);
+
+            rows::norm_quantize(&self.threads, &sc.x, &layer.ffn_norm, eps, &mut sc.qa);
+            layer
+                .w_gate_up
+                .forward(&self.threads, &sc.qa, n, &mut sc.gu);
+            rows::silu_mul_quantize(&self.threads, &sc.gu, ffn, &mut sc.qa);
+            layer.w_down.forward(&self.threads, &sc.qa, n, &mut sc.proj);
+            add_into(&mut sc.x, &sc.proj);
+        }
+
+        // Only each sequence's last row predicts anything.
+        let m = batch.len();
+        let mut last = vec![0f32; m * hidden];
+        for (s, dst) in seqs.iter().zip(last.chunks_exact_mut(hidden)) {
+            let r = s.rows.end - 1;
+            dst.copy_from_slice(&sc.x[r * hidden..(r + 1) * hidden]);
+        }
+        rows::norm_quantize(&self.threads, &last, &self.norm, eps, &mut sc.qa);
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        sc.logits.resize(m * head.rows, 0.0);
+        head.matmul(&self.threads, &sc.qa, m, &mut sc.logits, head.rows, 0);
+        for s in batch.iter_mut() {
+            s.cache.advance(s.tokens.len());
+        }
+        Ok(sc.logits.clone())
+    }
+
+    /// Rotates the query heads and key heads at the start of `line` to `pos`
+    /// (interleaved pairs, the layout GGUF llama weights are permuted for).
+    fn rope(&self, line: &mut [f32], pos: usize) {
+        let half = self.cfg.head_dim / 2;
+        let cos = &self.cos[pos * half..(pos + 1) * half];
+        let sin = &self.sin[pos * half..(pos + 1) * half];
+        for head in line.chunks_exact_mut(self.cfg.head_dim) {
+            for ((pair, &c), &s) in head.chunks_exact_mut(2).zip(cos).zip(sin) {
+                let (a, b) = (pair[0], pair[1]);
+                pair[0] = a * c - b * s;
+                pair[1] = a * s + b * c;
+            }
+        }
+    }
+}
+
+fn add_into(x: &mut [f32], y: &[f32]) {
+    for (a, b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}

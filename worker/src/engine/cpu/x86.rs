@@ -1,0 +1,432 @@
+//! AVX2 kernels for quantized matrix products (x86_64 with AVX2, FMA and
+//! F16C, checked at run time by `matmul`).
+//!
+//! A weight block is unpacked into a register once and multiplied with up to
+//! four activation rows (the batch's tokens), so a batched decode step reads
+//! each weight once however many sequences it carries. Each output element is
+//! computed by the same instruction sequence whatever the tile size, so a
+//! sequence's numbers do not depend on what else shares its batch.
+use super::quant::{BlockQ4_1, BlockQ4_1x8, BlockQ8A, BlockQ8_0, BlockQ8_0x8};
+use std::arch::x86_64::*;
+use std::ops::Range;
+
+/// Activation rows per tile: the rows whose blocks stay in L1 while a chunk of
+/// weight rows passes over them.
+const TILE: usize = 16;
+
+#[inline(always)]
+unsafe fn hsum(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    _mm_cvtss_f32(s)
+}
+
+/// f16 bits to f32 (F16C).
+#[inline(always)]
+unsafe fn f16(bits: u16) -> f32 {
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+}
+
+#[inline(always)]
+unsafe fn tile_q4_1<const R: usize>(
+    w: &[BlockQ4_1],
+    a: &[BlockQ8A],
+    kb: usize,
+    out: *mut f32,
+    ld: usize,
+) {
+    let m4 = _mm_set1_epi8(0x0f);
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut mins = [0f32; R];
+    for (b, wb) in w.iter().enumerate() {
+        let qs = _mm_loadu_si128(wb.qs.as_ptr() as *const __m128i);
+        let lo = _mm_and_si128(qs, m4);
+        let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), m4);
+        let wq = _mm256_set_m128i(hi, lo);
+        let dw = f16(wb.d);
+        let mw = f16(wb.m);
+        for i in 0..R {
+            let ab = a.get_unchecked(i * kb + b);
+            let aq = _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i);
+            let p = _mm256_madd_epi16(_mm256_maddubs_epi16(wq, aq), ones);
+            acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(dw * ab.d), _mm256_cvtepi32_ps(p), acc[i]);
+            mins[i] += mw * ab.s;
+        }
+    }
+    for i in 0..R {
+        *out.add(i * ld) = hsum(acc[i]) + mins[i];
+    }
+}
+
+#[inline(always)]
+unsafe fn tile_q8_0<const R: usize>(
+    w: &[BlockQ8_0],
+    a: &[BlockQ8A],
+    kb: usize,
+    out: *mut f32,
+    ld: usize,
+) {
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_ps(); R];
+    for (b, wb) in w.iter().enumerate() {
+        let wq = _mm256_loadu_si256(wb.qs.as_ptr() as *const __m256i);
+        // maddubs multiplies unsigned by signed: move w's sign onto a.
+        let wabs = _mm256_sign_epi8(wq, wq);
+        let dw = f16(wb.d);
+        for i in 0..R {
+            let ab = a.get_unchecked(i * kb + b);
+            let aq = _mm256_sign_epi8(_mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i), wq);
+            let p = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, aq), ones);
+            acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(dw * ab.d), _mm256_cvtepi32_ps(p), acc[i]);
+        }
+    }
+    for i in 0..R {
+        *out.add(i * ld) = hsum(acc[i]);
+    }
+}
+
+macro_rules! rows_kernel {
+    ($name:ident, $block:ty, $tile:ident) => {
+        /// Weight rows `rows` (each `kb` blocks) against all `n` activation
+        /// rows of `a`: `out[i * ld + r]` for i < n, r in `rows`.
+        ///
+        /// # Safety
+        /// The CPU must have AVX2, FMA and F16C; `w` holds the rows, `a`
+        /// holds `n * kb` blocks, and `out` is valid for those writes.
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub unsafe fn $name(
+            w: &[$block],
+            kb: usize,
+            rows: Range<usize>,
+            a: &[BlockQ8A],
+            n: usize,
+            out: *mut f32,
+            ld: usize,
+        ) {
+            let mut t0 = 0;
+            while t0 < n {
+                let t1 = (t0 + TILE).min(n);
+                for r in rows.clone() {
+                    let wr = w.get_unchecked(r * kb..(r + 1) * kb);
+                    let mut i = t0;
+                    while i + 4 <= t1 {
+                        $tile::<4>(wr, &a[i * kb..], kb, out.add(i * ld + r), ld);
+                        i += 4;
+                    }
+                    let (ar, o) = (&a[i * kb..], out.add(i * ld + r));
+                    match t1 - i {
+                        3 => $tile::<3>(wr, ar, kb, o, ld),
+                        2 => $tile::<2>(wr, ar, kb, o, ld),
+                        1 => $tile::<1>(wr, ar, kb, o, ld),
+                        _ => {}
+                    }
+                }
+                t0 = t1;
+            }
+        }
+    };
+}
+
+rows_kernel!(rows_q4_1, BlockQ4_1, tile_q4_1);
+rows_kernel!(rows_q8_0, BlockQ8_0, tile_q8_0);
+
+/// Eight interleaved Q4_1 rows against up to four activation rows: writes
+/// eight consecutive outputs per activation row.
+#[inline(always)]
+unsafe fn tile_q4_1x8<const R: usize>(
+    w: &[BlockQ4_1x8],
+    a: &[BlockQ8A],
+    kb: usize,
+    out: *mut f32,
+    ld: usize,
+) {
+    let m4 = _mm256_set1_epi8(0x0f);
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_ps(); R];
+    for (b, wb) in w.iter().enumerate() {
+        // Integer phase: per activation row, the eight rows' block sums in
+        // i16 lanes (at most 8 * 2 * 15 * 128 = 30720, no overflow).
+        let mut sums = [_mm256_setzero_si256(); R];
+        for c in 0..4 {
+            let raw = _mm256_loadu_si256(wb.qs.as_ptr().add(32 * c) as *const __m256i);
+            let lo = _mm256_and_si256(raw, m4);
+            let hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+            for i in 0..R {
+                let ap = a.get_unchecked(i * kb + b).qs.as_ptr() as *const i32;
+                let x_lo = _mm256_set1_epi32(ap.add(c).read_unaligned());
+                let x_hi = _mm256_set1_epi32(ap.add(4 + c).read_unaligned());
+                sums[i] = _mm256_add_epi16(sums[i], _mm256_maddubs_epi16(lo, x_lo));
+                sums[i] = _mm256_add_epi16(sums[i], _mm256_maddubs_epi16(hi, x_hi));
+            }
+        }
+        let d = _mm256_cvtph_ps(_mm_loadu_si128(wb.d.as_ptr() as *const __m128i));
+        let m = _mm256_cvtph_ps(_mm_loadu_si128(wb.m.as_ptr() as *const __m128i));
+        for i in 0..R {
+            let ab = a.get_unchecked(i * kb + b);
+            let dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[i], ones));
+            acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(ab.d)), dot, acc[i]);
+            acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(ab.s), acc[i]);
+        }
+    }
+    for i in 0..R {
+        _mm256_storeu_ps(out.add(i * ld), acc[i]);
+    }
+}
+
+/// Eight interleaved Q8_0 rows against up to four activation rows.
+#[inline(always)]
+unsafe fn tile_q8_0x8<const R: usize>(
+    w: &[BlockQ8_0x8],
+    a: &[BlockQ8A],
+    kb: usize,
+    out: *mut f32,
+    ld: usize,
+) {
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_ps(); R];
+    for (b, wb) in w.iter().enumerate() {
+        let mut sums = [_mm256_setzero_si256(); R];
+        for c in 0..8 {
+            let wq = _mm256_loadu_si256(wb.qs.as_ptr().add(32 * c) as *const __m256i);
+            // maddubs multiplies unsigned by signed: move w's sign onto x.
+            let wabs = _mm256_sign_epi8(wq, wq);
+            for i in 0..R {
+                let ap = a.get_unchecked(i * kb + b).qs.as_ptr() as *const i32;
+                let x = _mm256_sign_epi8(_mm256_set1_epi32(ap.add(c).read_unaligned()), wq);
+                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, x), ones);
+                sums[i] = _mm256_add_epi32(sums[i], p);
+            }
+        }
+        let d = _mm256_cvtph_ps(_mm_loadu_si128(wb.d.as_ptr() as *const __m128i));
+        for i in 0..R {
+            let ab = a.get_unchecked(i * kb + b);
+            let dot = _mm256_cvtepi32_ps(sums[i]);
+            acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(ab.d)), dot, acc[i]);
+        }
+    }
+    for i in 0..R {
+        _mm256_storeu_ps(out.add(i * ld), acc[i]);
+    }
+}
+
+macro_rules! groups_kernel {
+    ($name:ident, $block:ty, $tile:ident) => {
+        /// Groups of eight interleaved weight rows (`groups`, each `kb`
+        /// blocks) against all `n` activation rows of `a`:
+        /// `out[i * ld + 8 g + r]` for i < n, g in `groups`, r < 8.
+        ///
+        /// # Safety
+        /// The CPU must have AVX2, FMA and F16C; `w` holds the groups, `a`
+        /// holds `n * kb` blocks, and `out` is valid for those writes.
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub unsafe fn $name(
+            w: &[$block],
+            kb: usize,
+            groups: Range<usize>,
+            a: &[BlockQ8A],
+            n: usize,
+            out: *mut f32,
+            ld: usize,
+        ) {
+            let mut t0 = 0;
+            while t0 < n {
+                let t1 = (t0 + TILE).min(n);
+                for g in groups.clone() {
+                    let wg = w.get_unchecked(g * kb..(g + 1) * kb);
+                    let mut i = t0;
+                    while i + 4 <= t1 {
+                        $tile::<4>(wg, &a[i * kb..], kb, out.add(i * ld + 8 * g), ld);
+                        i += 4;
+                    }
+                    let (ar, o) = (&a[i * kb..], out.add(i * ld + 8 * g));
+                    match t1 - i {
+                        3 => $tile::<3>(wg, ar, kb, o, ld),
+                        2 => $tile::<2>(wg, ar, kb, o, ld),
+                        1 => $tile::<1>(wg, ar, kb, o, ld),
+                        _ => {}
+                    }
+                }
+                t0 = t1;
+            }
+        }
+    };
+}
+
+groups_kernel!(groups_q4_1x8, BlockQ4_1x8, tile_q4_1x8);
+groups_kernel!(groups_q8_0x8, BlockQ8_0x8, tile_q8_0x8);
+
+/// True when this CPU runs the kernels above.
+pub fn supported() -> bool {
+    is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
+}
+
+/// Quantizes 32 values to one activation block (round half to even, as
+/// `quant::quantize_block` does).
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA; `x` holds at least 32 values.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn quantize_block(x: &[f32]) -> BlockQ8A {
+    let p = x.as_ptr();
+    let v = [
+        _mm256_loadu_ps(p),
+        _mm256_loadu_ps(p.add(8)),
+        _mm256_loadu_ps(p.add(16)),
+        _mm256_loadu_ps(p.add(24)),
+    ];
+    let sign = _mm256_set1_ps(-0.0);
+    let mut amax = _mm256_andnot_ps(sign, v[0]);
+    for x in &v[1..] {
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, *x));
+    }
+    let m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    let m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    let d = _mm_cvtss_f32(m) / 127.0;
+    let id = _mm256_set1_ps(if d != 0.0 { 1.0 / d } else { 0.0 });
+    let q = v.map(|x| {
+        _mm256_cvtps_epi32(_mm256_round_ps(
+            _mm256_mul_ps(x, id),
+            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
+        ))
+    });
+    let total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    let t = _mm_add_epi32(
+        _mm256_castsi256_si128(total),
+        _mm256_extracti128_si256(total, 1),
+    );
+    let t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0b01_00_11_10));
+    let t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0b10_11_00_01));
+    let sum = _mm_cvtsi128_si32(t);
+    // Pack 32 i32 to 32 i8; the packs work per 128-bit lane, so restore
+    // the element order with a final dword permutation.
+    let w16 = [
+        _mm256_packs_epi32(q[0], q[1]),
+        _mm256_packs_epi32(q[2], q[3]),
+    ];
+    let b8 = _mm256_packs_epi16(w16[0], w16[1]);
+    let b8 = _mm256_permutevar8x32_epi32(b8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    let mut out = BlockQ8A {
+        d,
+        s: d * sum as f32,
+        sum,
+        ..Default::default()
+    };
+    _mm256_storeu_si256(out.qs.as_mut_ptr() as *mut __m256i, b8);
+    out
+}
+
+/// e^x for eight lanes (Cephes' polynomial; relative error about 1e-7).
+#[inline(always)]
+unsafe fn exp8(x: __m256) -> __m256 {
+    let x = _mm256_min_ps(x, _mm256_set1_ps(88.376_26));
+    let x = _mm256_max_ps(x, _mm256_set1_ps(-88.376_26));
+    let fx = _mm256_floor_ps(_mm256_fmadd_ps(
+        x,
+        _mm256_set1_ps(std::f32::consts::LOG2_E),
+        _mm256_set1_ps(0.5),
+    ));
+    let x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693_359_4), x);
+    let x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.121_944_4e-4), x);
+    let z = _mm256_mul_ps(x, x);
+    let mut y = _mm256_set1_ps(1.987_569_1e-4);
+    for c in [
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        0.166_666_65,
+        0.5,
+    ] {
+        y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(c));
+    }
+    let y = _mm256_add_ps(_mm256_fmadd_ps(y, z, x), _mm256_set1_ps(1.0));
+    let n = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)),
+        23,
+    );
+    _mm256_mul_ps(y, _mm256_castsi256_ps(n))
+}
+
+/// `out = silu(g) * u` for 32 values.
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA; each slice holds at least 32 values.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn silu_mul_block(g: &[f32], u: &[f32], out: &mut [f32; 32]) {
+    let one = _mm256_set1_ps(1.0);
+    for k in 0..4 {
+        let gv = _mm256_loadu_ps(g.as_ptr().add(8 * k));
+        let uv = _mm256_loadu_ps(u.as_ptr().add(8 * k));
+        let e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+        let s = _mm256_div_ps(gv, _mm256_add_ps(one, e));
+        _mm256_storeu_ps(out.as_mut_ptr().add(8 * k), _mm256_mul_ps(s, uv));
+    }
+}
+
+/// One query head's attention over the visible positions: `keys` and
+/// `values` are the layer's slot-major arrays, the head's dims start at
+/// `off` in each slot of `stride` values; `scores` is scratch.
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA; `q.len()` (the head size) is a multiple
+/// of 8, every slot's range is inside `keys` and `values`, and `out` holds
+/// `q.len()` values.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn head_attention(
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    slots: &[usize],
+    stride: usize,
+    off: usize,
+    scale: f32,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    let hd = q.len();
+    scores.clear();
+    scores.reserve(slots.len() + 8);
+    let mut max = f32::NEG_INFINITY;
+    for &slot in slots {
+        let k = keys.as_ptr().add(slot * stride + off);
+        let mut acc = _mm256_setzero_ps();
+        for j in (0..hd).step_by(8) {
+            acc = _mm256_fmadd_ps(
+                _mm256_loadu_ps(q.as_ptr().add(j)),
+                _mm256_loadu_ps(k.add(j)),
+                acc,
+            );
+        }
+        let x = hsum(acc) * scale;
+        max = max.max(x);
+        scores.push(x);
+    }
+    let n = scores.len();
+    // Pad to whole vectors; the padding is never read back.
+    scores.resize(n.div_ceil(8) * 8, f32::NEG_INFINITY);
+    let mv = _mm256_set1_ps(max);
+    for c in scores.chunks_exact_mut(8) {
+        let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(c.as_ptr()), mv));
+        _mm256_storeu_ps(c.as_mut_ptr(), e);
+    }
+    let total: f32 = scores[..n].iter().sum();
+    out.fill(0.0);
+    let o = out.as_mut_ptr();
+    for (&slot, &p) in slots.iter().zip(&scores[..n]) {
+        let v = values.as_ptr().add(slot * stride + off);
+        let pv = _mm256_set1_ps(p);
+        for j in (0..hd).step_by(8) {
+            let acc = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v.add(j)), _mm256_loadu_ps(o.add(j)));
+            _mm256_storeu_ps(o.add(j), acc);
+        }
+    }
+    let inv = _mm256_set1_ps(1.0 / total);
+    for j in (0..hd).step_by(8) {
+        _mm256_storeu_ps(o.add(j), _mm256_mul_ps(_mm256_loadu_ps(o.add(j)), inv));
+    }
+}
