@@ -193,6 +193,12 @@ impl QMatrix {
             match &self.blocks {
                 Blocks::Q4_1(w) => x86::rows_q4_1(w, kb, rows, a, n, out, ld),
                 Blocks::Q8_0(w) => x86::rows_q8_0(w, kb, rows, a, n, out, ld),
+                Blocks::Q4_1x8(w) if vnni_available() => {
+                    x86::groups_q4_1x8_vnni(w, kb, rows, a, n, out, ld)
+                }
+                Blocks::Q8_0x8(w) if vnni_available() => {
+                    x86::groups_q8_0x8_vnni(w, kb, rows, a, n, out, ld)
+                }
                 Blocks::Q4_1x8(w) => x86::groups_q4_1x8(w, kb, rows, a, n, out, ld),
                 Blocks::Q8_0x8(w) => x86::groups_q8_0x8(w, kb, rows, a, n, out, ld),
             }
@@ -232,6 +238,22 @@ pub fn simd_available() -> bool {
     {
         static SIMD: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         *SIMD.get_or_init(super::x86::supported)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Whether the VNNI variants of the interleaved kernels run here (they give
+/// the same integers, so the same results, in fewer instructions).
+/// `TOKENMESH_CPU_VNNI=0` turns them off, to compare.
+pub fn vnni_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static VNNI: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *VNNI.get_or_init(|| {
+            super::x86::vnni_supported()
+                && std::env::var("TOKENMESH_CPU_VNNI").map_or(true, |v| v != "0")
+        })
     }
     #[cfg(not(target_arch = "x86_64"))]
     false
@@ -358,5 +380,45 @@ mod tests {
                 assert_eq!(got, want);
             }
         }
+    }
+
+    /// The VNNI kernels give the plain AVX2 kernels' results bit for bit.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn vnni_kernels_equal_the_avx2_kernels() {
+        if !super::super::x86::vnni_supported() {
+            eprintln!("no AVX-512 VNNI here; nothing to compare");
+            return;
+        }
+        use super::super::x86;
+        let mut seed = 11;
+        let (rows, cols, n) = (32, 6 * QK, 7);
+        let kb = cols / QK;
+        let dense: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut seed)).collect();
+        let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut seed)).collect();
+        let mut a = vec![BlockQ8A::default(); n * kb];
+        for (row, blocks) in x.chunks_exact(cols).zip(a.chunks_exact_mut(kb)) {
+            quant::quantize_row(row, blocks);
+        }
+        let q4 = quant::interleave_q4_1(
+            match &q4_1_matrix(rows, cols, &mut seed).blocks {
+                Blocks::Q4_1(b) => b,
+                _ => unreachable!(),
+            },
+            kb,
+        );
+        let q8 = quant::interleave_q8_0(&quant::quantize_q8_0(&dense), kb);
+        let (mut p, mut v) = (vec![0f32; n * rows], vec![0f32; n * rows]);
+        // SAFETY: the CPU has the features (checked above); sizes match.
+        unsafe {
+            x86::groups_q4_1x8(&q4, kb, 0..rows / 8, &a, n, p.as_mut_ptr(), rows);
+            x86::groups_q4_1x8_vnni(&q4, kb, 0..rows / 8, &a, n, v.as_mut_ptr(), rows);
+        }
+        assert_eq!(p, v);
+        unsafe {
+            x86::groups_q8_0x8(&q8, kb, 0..rows / 8, &a, n, p.as_mut_ptr(), rows);
+            x86::groups_q8_0x8_vnni(&q8, kb, 0..rows / 8, &a, n, v.as_mut_ptr(), rows);
+        }
+        assert_eq!(p, v);
     }
 }

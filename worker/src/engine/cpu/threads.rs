@@ -36,14 +36,18 @@ struct Shared {
     /// Helpers that have not finished the current job.
     pending: AtomicUsize,
     panicked: AtomicBool,
+    /// A job is running: another `run` meanwhile (from a task, or from a
+    /// second thread) runs its tasks on its own thread instead.
+    busy: AtomicBool,
     stop: AtomicBool,
     sleep: Mutex<()>,
     wake: Condvar,
 }
 
-// SAFETY: `job` is written only by `run` while every helper has checked out
-// of the previous job (`pending` is 0), and read by helpers only between
-// seeing a new epoch and checking out; the function it points to is Sync.
+// SAFETY: `job` is written only by the one `run` holding `busy`, while every
+// helper has checked out of the previous job (`pending` is 0), and read by
+// helpers only between seeing a new epoch and checking out; the function it
+// points to is Sync.
 unsafe impl Sync for Shared {}
 unsafe impl Send for Shared {}
 
@@ -66,6 +70,7 @@ impl ComputePool {
             next: AtomicUsize::new(0),
             pending: AtomicUsize::new(0),
             panicked: AtomicBool::new(false),
+            busy: AtomicBool::new(false),
             stop: AtomicBool::new(false),
             sleep: Mutex::new(()),
             wake: Condvar::new(),
@@ -89,13 +94,14 @@ impl ComputePool {
     /// Runs `f(0) .. f(tasks - 1)` across the threads and returns when all
     /// are done. Tasks are claimed one at a time, so uneven ones balance.
     pub fn run(&self, tasks: usize, f: &(dyn Fn(usize) + Sync)) {
-        if self.helpers.is_empty() || tasks <= 1 {
+        let s = &*self.shared;
+        if self.helpers.is_empty() || tasks <= 1 || s.busy.swap(true, Ordering::Acquire) {
             (0..tasks).for_each(f);
             return;
         }
-        let s = &*self.shared;
-        // SAFETY: no helper reads `job` now (the last `run` waited for all of
-        // them to check out), and this call outlives every use of `f`: it
+        // SAFETY: this call holds `busy`, no helper reads `job` now (the last
+        // `run` waited for all of them to check out), and this call outlives
+        // every use of `f`: it
         // returns only after every helper has checked out of this job.
         unsafe {
             *s.job.get() = Job {
@@ -124,6 +130,7 @@ impl ComputePool {
             }
         }
         let helper_panicked = s.panicked.swap(false, Ordering::Relaxed);
+        s.busy.store(false, Ordering::Release);
         if let Err(p) = mine {
             std::panic::resume_unwind(p);
         }
@@ -260,6 +267,26 @@ mod tests {
             counts[i].fetch_add(1, Ordering::Relaxed);
         });
         assert!(counts.iter().all(|c| c.load(Ordering::Relaxed) == 501));
+    }
+
+    #[test]
+    fn nested_and_concurrent_runs_fall_back_to_their_own_thread() {
+        let pool = ComputePool::new(2).unwrap();
+        let n = AtomicUsize::new(0);
+        std::thread::scope(|scope| {
+            for _ in 0..2 {
+                scope.spawn(|| {
+                    for _ in 0..200 {
+                        pool.run(8, &|_| {
+                            pool.run(4, &|_| {
+                                n.fetch_add(1, Ordering::Relaxed);
+                            });
+                        });
+                    }
+                });
+            }
+        });
+        assert_eq!(n.load(Ordering::Relaxed), 2 * 200 * 8 * 4);
     }
 
     #[test]

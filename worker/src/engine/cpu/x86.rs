@@ -135,7 +135,7 @@ rows_kernel!(rows_q8_0, BlockQ8_0, tile_q8_0);
 /// Eight interleaved Q4_1 rows against up to four activation rows: writes
 /// eight consecutive outputs per activation row.
 #[inline(always)]
-unsafe fn tile_q4_1x8<const R: usize>(
+unsafe fn tile_q4_1x8<const R: usize, const VNNI: bool>(
     w: &[BlockQ4_1x8],
     a: &[BlockQ8A],
     kb: usize,
@@ -146,8 +146,9 @@ unsafe fn tile_q4_1x8<const R: usize>(
     let ones = _mm256_set1_epi16(1);
     let mut acc = [_mm256_setzero_ps(); R];
     for (b, wb) in w.iter().enumerate() {
-        // Integer phase: per activation row, the eight rows' block sums in
-        // i16 lanes (at most 8 * 2 * 15 * 128 = 30720, no overflow).
+        // Integer phase: per activation row, the eight rows' block sums:
+        // with VNNI in i32 lanes directly, else in i16 lanes (at most
+        // 8 * 2 * 15 * 128 = 30720, no overflow) widened at the end.
         let mut sums = [_mm256_setzero_si256(); R];
         for c in 0..4 {
             let raw = _mm256_loadu_si256(wb.qs.as_ptr().add(32 * c) as *const __m256i);
@@ -157,15 +158,25 @@ unsafe fn tile_q4_1x8<const R: usize>(
                 let ap = a.get_unchecked(i * kb + b).qs.as_ptr() as *const i32;
                 let x_lo = _mm256_set1_epi32(ap.add(c).read_unaligned());
                 let x_hi = _mm256_set1_epi32(ap.add(4 + c).read_unaligned());
-                sums[i] = _mm256_add_epi16(sums[i], _mm256_maddubs_epi16(lo, x_lo));
-                sums[i] = _mm256_add_epi16(sums[i], _mm256_maddubs_epi16(hi, x_hi));
+                if VNNI {
+                    sums[i] = _mm256_dpbusd_epi32(sums[i], lo, x_lo);
+                    sums[i] = _mm256_dpbusd_epi32(sums[i], hi, x_hi);
+                } else {
+                    sums[i] = _mm256_add_epi16(sums[i], _mm256_maddubs_epi16(lo, x_lo));
+                    sums[i] = _mm256_add_epi16(sums[i], _mm256_maddubs_epi16(hi, x_hi));
+                }
             }
         }
         let d = _mm256_cvtph_ps(_mm_loadu_si128(wb.d.as_ptr() as *const __m128i));
         let m = _mm256_cvtph_ps(_mm_loadu_si128(wb.m.as_ptr() as *const __m128i));
         for i in 0..R {
             let ab = a.get_unchecked(i * kb + b);
-            let dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[i], ones));
+            let isum = if VNNI {
+                sums[i]
+            } else {
+                _mm256_madd_epi16(sums[i], ones)
+            };
+            let dot = _mm256_cvtepi32_ps(isum);
             acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(ab.d)), dot, acc[i]);
             acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(ab.s), acc[i]);
         }
@@ -177,7 +188,7 @@ unsafe fn tile_q4_1x8<const R: usize>(
 
 /// Eight interleaved Q8_0 rows against up to four activation rows.
 #[inline(always)]
-unsafe fn tile_q8_0x8<const R: usize>(
+unsafe fn tile_q8_0x8<const R: usize, const VNNI: bool>(
     w: &[BlockQ8_0x8],
     a: &[BlockQ8A],
     kb: usize,
@@ -195,8 +206,12 @@ unsafe fn tile_q8_0x8<const R: usize>(
             for i in 0..R {
                 let ap = a.get_unchecked(i * kb + b).qs.as_ptr() as *const i32;
                 let x = _mm256_sign_epi8(_mm256_set1_epi32(ap.add(c).read_unaligned()), wq);
-                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, x), ones);
-                sums[i] = _mm256_add_epi32(sums[i], p);
+                sums[i] = if VNNI {
+                    _mm256_dpbusd_epi32(sums[i], wabs, x)
+                } else {
+                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, x), ones);
+                    _mm256_add_epi32(sums[i], p)
+                };
             }
         }
         let d = _mm256_cvtph_ps(_mm_loadu_si128(wb.d.as_ptr() as *const __m128i));
@@ -212,15 +227,16 @@ unsafe fn tile_q8_0x8<const R: usize>(
 }
 
 macro_rules! groups_kernel {
-    ($name:ident, $block:ty, $tile:ident) => {
+    ($name:ident, $block:ty, $tile:ident, $vnni:literal, $features:literal) => {
         /// Groups of eight interleaved weight rows (`groups`, each `kb`
         /// blocks) against all `n` activation rows of `a`:
         /// `out[i * ld + 8 g + r]` for i < n, g in `groups`, r < 8.
         ///
         /// # Safety
-        /// The CPU must have AVX2, FMA and F16C; `w` holds the groups, `a`
-        /// holds `n * kb` blocks, and `out` is valid for those writes.
-        #[target_feature(enable = "avx2,fma,f16c")]
+        /// The CPU must have the features enabled below; `w` holds the
+        /// groups, `a` holds `n * kb` blocks, and `out` is valid for those
+        /// writes.
+        #[target_feature(enable = $features)]
         pub unsafe fn $name(
             w: &[$block],
             kb: usize,
@@ -237,14 +253,14 @@ macro_rules! groups_kernel {
                     let wg = w.get_unchecked(g * kb..(g + 1) * kb);
                     let mut i = t0;
                     while i + 4 <= t1 {
-                        $tile::<4>(wg, &a[i * kb..], kb, out.add(i * ld + 8 * g), ld);
+                        $tile::<4, $vnni>(wg, &a[i * kb..], kb, out.add(i * ld + 8 * g), ld);
                         i += 4;
                     }
                     let (ar, o) = (&a[i * kb..], out.add(i * ld + 8 * g));
                     match t1 - i {
-                        3 => $tile::<3>(wg, ar, kb, o, ld),
-                        2 => $tile::<2>(wg, ar, kb, o, ld),
-                        1 => $tile::<1>(wg, ar, kb, o, ld),
+                        3 => $tile::<3, $vnni>(wg, ar, kb, o, ld),
+                        2 => $tile::<2, $vnni>(wg, ar, kb, o, ld),
+                        1 => $tile::<1, $vnni>(wg, ar, kb, o, ld),
                         _ => {}
                     }
                 }
@@ -254,14 +270,46 @@ macro_rules! groups_kernel {
     };
 }
 
-groups_kernel!(groups_q4_1x8, BlockQ4_1x8, tile_q4_1x8);
-groups_kernel!(groups_q8_0x8, BlockQ8_0x8, tile_q8_0x8);
+groups_kernel!(
+    groups_q4_1x8,
+    BlockQ4_1x8,
+    tile_q4_1x8,
+    false,
+    "avx2,fma,f16c"
+);
+groups_kernel!(
+    groups_q8_0x8,
+    BlockQ8_0x8,
+    tile_q8_0x8,
+    false,
+    "avx2,fma,f16c"
+);
+groups_kernel!(
+    groups_q4_1x8_vnni,
+    BlockQ4_1x8,
+    tile_q4_1x8,
+    true,
+    "avx2,fma,f16c,avx512vnni,avx512vl"
+);
+groups_kernel!(
+    groups_q8_0x8_vnni,
+    BlockQ8_0x8,
+    tile_q8_0x8,
+    true,
+    "avx2,fma,f16c,avx512vnni,avx512vl"
+);
 
 /// True when this CPU runs the kernels above.
 pub fn supported() -> bool {
     is_x86_feature_detected!("avx2")
         && is_x86_feature_detected!("fma")
         && is_x86_feature_detected!("f16c")
+}
+
+/// True when this CPU also has the VNNI dot-product instruction (on 256-bit
+/// registers), which replaces the multiply-add pairs of the integer phase.
+pub fn vnni_supported() -> bool {
+    supported() && is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl")
 }
 
 /// Quantizes 32 values to one activation block (round half to even, as
