@@ -36,9 +36,9 @@ export TOKENMESH_TEST_MODEL=$MODEL RAYON_NUM_THREADS=$THREADS
 for vnni in 1 0; do
   echo "## TOKENMESH_CPU_VNNI=$vnni" | tee -a "$OUT/$TAG-criterion.txt"
   TOKENMESH_CPU_VNNI=$vnni cargo bench --locked -p tokenmesh-worker --bench engine_step 2>/dev/null |
-    # The benchmark's name, then its first time and throughput lines (not
+    # The benchmark's name with its time, then its throughput line (not
     # the change against an earlier run that Criterion prints after them).
-    awk '/^(decode_step|prefill_chunk)/ { print; n = 2; next } n > 0 && /time:|thrpt:/ { print; n-- }' |
+    awk '/^(decode_step|prefill_chunk)/ { print; n = 1; next } n > 0 && /time:|thrpt:/ { print; n-- }' |
     tee -a "$OUT/$TAG-criterion.txt"
 done
 echo "finished: $(date -u +%FT%TZ)" >>"$OUT/$TAG-machine.txt"
