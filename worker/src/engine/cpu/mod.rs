@@ -58,6 +58,8 @@ struct Scratch {
     proj: Vec<f32>,
     gu: Vec<f32>,
     logits: Vec<f32>,
+    /// cos and sin of each row's position and each rotary frequency.
+    rope: Vec<(f32, f32)>,
 }
 
 /// A llama model on the CPU kernels.
@@ -68,9 +70,8 @@ pub struct CpuLlama {
     lm_head: Option<QMatrix>,
     norm: Vec<f32>,
     layers: Vec<Layer>,
-    /// cos and sin of every (position, frequency), (context, head_dim / 2).
-    cos: Vec<f32>,
-    sin: Vec<f32>,
+    /// Rotary frequencies, head_dim / 2 of them.
+    inv_freq: Vec<f32>,
     scratch: Mutex<Scratch>,
     /// The compute threads (the engine thread and helpers).
     threads: ComputePool,
@@ -187,27 +188,16 @@ impl CpuLlama {
             Err(ModelError::MissingTensor(_)) => None,
             Err(e) => return Err(e),
         };
-        let half = cfg.head_dim / 2;
-        let inv: Vec<f32> = (0..half)
+        let inv_freq = (0..cfg.head_dim / 2)
             .map(|i| 1.0 / cfg.rope_theta.powf(2.0 * i as f32 / cfg.head_dim as f32))
             .collect();
-        let mut cos = Vec::with_capacity(cfg.context_length * half);
-        let mut sin = Vec::with_capacity(cfg.context_length * half);
-        for p in 0..cfg.context_length {
-            for f in &inv {
-                let a = p as f32 * f;
-                cos.push(a.cos());
-                sin.push(a.sin());
-            }
-        }
         let model = Self {
             cfg,
             embed,
             lm_head,
             norm,
             layers,
-            cos,
-            sin,
+            inv_freq,
             scratch: Mutex::default(),
             threads: ComputePool::new(thread_count())
                 .map_err(|e| ModelError::Metadata(format!("compute threads: {e}")))?,
@@ -216,6 +206,7 @@ impl CpuLlama {
             weights_mib = model.weight_bytes() >> 20,
             threads = model.threads.threads(),
             simd = matmul::simd_available(),
+            vnni = matmul::vnni_available(),
             "CPU kernels: quantized weights loaded"
         );
         Ok(model)
@@ -278,6 +269,17 @@ impl CpuLlama {
         sc.attn.resize(n * q_dim, 0.0);
         sc.proj.resize(n * hidden, 0.0);
         sc.gu.resize(n * 2 * ffn, 0.0);
+        // Each row's rotation, computed once for all layers (a table over
+        // the whole context would grow with it).
+        sc.rope.clear();
+        for s in &seqs {
+            for pos in s.pos0..s.pos0 + s.rows.len() {
+                sc.rope.extend(self.inv_freq.iter().map(|f| {
+                    let a = pos as f32 * f;
+                    (a.cos(), a.sin())
+                }));
+            }
+        }
 
         let mut r = 0;
         for s in batch.iter() {
@@ -307,11 +309,16 @@ impl CpuLlama {
             let (keys, values) = pool
                 .host_layer_mut(li)
                 .ok_or_else(|| ModelError::Metadata("the KV pool is not in host memory".into()))?;
+            let half = hd / 2;
             for s in &seqs {
                 for (i, row) in s.rows.clone().enumerate() {
                     let pos = s.pos0 + i;
                     let line = &mut sc.qkv[row * qkv_ld..(row + 1) * qkv_ld];
-                    self.rope(&mut line[..q_dim + kv_dim], pos);
+                    rope(
+                        &mut line[..q_dim + kv_dim],
+                        hd,
+                        &sc.rope[row * half..(row + 1) * half],
+                    );
                     let slot = s.slots[pos];
                     keys[slot * kv_dim..(slot + 1) * kv_dim]
                         .copy_from_slice(&line[q_dim..q_dim + kv_dim]);
@@ -360,19 +367,17 @@ impl CpuLlama {
         }
         Ok(sc.logits.clone())
     }
+}
 
-    /// Rotates the query heads and key heads at the start of `line` to `pos`
-    /// (interleaved pairs, the layout GGUF llama weights are permuted for).
-    fn rope(&self, line: &mut [f32], pos: usize) {
-        let half = self.cfg.head_dim / 2;
-        let cos = &self.cos[pos * half..(pos + 1) * half];
-        let sin = &self.sin[pos * half..(pos + 1) * half];
-        for head in line.chunks_exact_mut(self.cfg.head_dim) {
-            for ((pair, &c), &s) in head.chunks_exact_mut(2).zip(cos).zip(sin) {
-                let (a, b) = (pair[0], pair[1]);
-                pair[0] = a * c - b * s;
-                pair[1] = a * s + b * c;
-            }
+/// Rotates every head of `line` (query heads, then key heads) by `rot`, the
+/// (cos, sin) of each frequency at the row's position: interleaved pairs, the
+/// layout GGUF llama weights are permuted for.
+fn rope(line: &mut [f32], head_dim: usize, rot: &[(f32, f32)]) {
+    for head in line.chunks_exact_mut(head_dim) {
+        for (pair, &(c, s)) in head.chunks_exact_mut(2).zip(rot) {
+            let (a, b) = (pair[0], pair[1]);
+            pair[0] = a * c - b * s;
+            pair[1] = a * s + b * c;
         }
     }
 }
