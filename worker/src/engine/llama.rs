@@ -28,6 +28,16 @@ pub enum ModelError {
     /// The file is not a llama-architecture model.
     #[error("unsupported architecture {0:?} (tokenmesh runs llama-architecture GGUF models)")]
     Architecture(String),
+    /// A tensor has a shape the backend cannot run.
+    #[error("model tensor {name}: {why}")]
+    Shape { name: String, why: String },
+    /// A step was given a token id the model has no embedding for.
+    #[error("token id {token} is outside the vocabulary of {vocab}")]
+    TokenOutOfRange { token: u32, vocab: usize },
+    /// The backend could not start (compute threads) or was handed a KV pool
+    /// that is not its own.
+    #[error("model backend: {0}")]
+    Backend(String),
     /// Tensor arithmetic failed.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

@@ -117,14 +117,16 @@ fn matrix<R: Read + Seek>(
 ) -> Result<QMatrix, ModelError> {
     let (dtype, dims, bytes) = read_raw(content, reader, name)?;
     let [rows, cols] = dims[..] else {
-        return Err(ModelError::Metadata(format!(
-            "{name} has shape {dims:?}, expected 2 dimensions"
-        )));
+        return Err(ModelError::Shape {
+            name: name.to_string(),
+            why: format!("shape {dims:?}, expected 2 dimensions"),
+        });
     };
     if cols % QK != 0 {
-        return Err(ModelError::Metadata(format!(
-            "{name} has rows of {cols} values; the CPU kernels need a multiple of {QK}"
-        )));
+        return Err(ModelError::Shape {
+            name: name.to_string(),
+            why: format!("rows of {cols} values; the CPU kernels need a multiple of {QK}"),
+        });
     }
     let blocks = match dtype {
         GgmlDType::Q4_1 => Blocks::Q4_1(quant::parse_q4_1(&bytes)),
@@ -200,7 +202,7 @@ impl CpuLlama {
             inv_freq,
             scratch: Mutex::default(),
             threads: ComputePool::new(thread_count())
-                .map_err(|e| ModelError::Metadata(format!("compute threads: {e}")))?,
+                .map_err(|e| ModelError::Backend(format!("starting compute threads: {e}")))?,
         };
         tracing::info!(
             weights_mib = model.weight_bytes() >> 20,
@@ -285,10 +287,10 @@ impl CpuLlama {
         for s in batch.iter() {
             for &t in s.tokens {
                 if t as usize >= self.embed.rows {
-                    return Err(ModelError::Metadata(format!(
-                        "token id {t} is outside the vocabulary of {}",
-                        self.embed.rows
-                    )));
+                    return Err(ModelError::TokenOutOfRange {
+                        token: t,
+                        vocab: self.embed.rows,
+                    });
                 }
                 self.embed
                     .row(t as usize, &mut sc.x[r * hidden..(r + 1) * hidden]);
@@ -308,7 +310,7 @@ impl CpuLlama {
 
             let (keys, values) = pool
                 .host_layer_mut(li)
-                .ok_or_else(|| ModelError::Metadata("the KV pool is not in host memory".into()))?;
+                .ok_or_else(|| ModelError::Backend("the KV pool is not in host memory".into()))?;
             let half = hd / 2;
             for s in &seqs {
                 for (i, row) in s.rows.clone().enumerate() {
