@@ -31,7 +31,7 @@ if [ -n "${LLAMA_BENCH:-}" ]; then
   "$LLAMA_BENCH" -m "$MODEL" -t "$THREADS" -p 128 -n 64 -r 5 -o md | tee "$OUT/$TAG-llama-bench.txt"
 fi
 
-export TOKENMESH_TEST_MODEL=$MODEL RAYON_NUM_THREADS=$THREADS
+export TOKENMESH_TEST_MODEL=$MODEL TOKENMESH_THREADS=$THREADS
 : >"$OUT/$TAG-criterion.txt"
 for vnni in 1 0; do
   echo "## TOKENMESH_CPU_VNNI=$vnni" | tee -a "$OUT/$TAG-criterion.txt"

@@ -4,7 +4,8 @@
 //! (`TOKENMESH_TEST_MODEL`, else the model cache); `scripts/test.sh` fetches it.
 //!
 //! Run: `cargo bench -p tokenmesh-worker --bench engine_step`
-//! (`RAYON_NUM_THREADS` sets the compute threads, as `--threads` does).
+//! (`TOKENMESH_THREADS` sets the compute threads, as the worker's
+//! `--threads` does; default: every core).
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use std::path::PathBuf;
 use tokenmesh_worker::engine::kv_pool::{KvCache, KvPool};
@@ -48,7 +49,11 @@ fn bench(c: &mut Criterion) {
         eprintln!("{} is missing: run scripts/test.sh first", path.display());
         return;
     }
-    let model = LoadedModel::load(&path, &candle_core::Device::Cpu).expect("model loads");
+    let threads = std::env::var("TOKENMESH_THREADS")
+        .ok()
+        .and_then(|v| v.parse().ok());
+    let model = LoadedModel::load_with_threads(&path, &candle_core::Device::Cpu, threads)
+        .expect("model loads");
     let mut group = c.benchmark_group("decode_step");
     for n in [1usize, 4, 16] {
         let mut pool = model.llama.kv_pool(256 << 20, 16).unwrap();

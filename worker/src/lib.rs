@@ -158,8 +158,11 @@ async fn start_engine(cfg: &WorkerConfig, worker_id: &str) -> Result<StartedEngi
             .await??;
     let started = Instant::now();
     let load_path = path.clone();
-    let model =
-        tokio::task::spawn_blocking(move || LoadedModel::load(&load_path, &device)).await??;
+    let threads = cfg.threads;
+    let model = tokio::task::spawn_blocking(move || {
+        LoadedModel::load_with_threads(&load_path, &device, threads)
+    })
+    .await??;
     let model = Arc::new(model);
     let model_name = cfg
         .model_name

@@ -7,8 +7,9 @@ async fn main() -> anyhow::Result<()> {
     let cfg = WorkerConfig::parse();
     let _telemetry = tokenmesh_proto::telemetry::init("tokenmesh-worker", &cfg.telemetry)?;
     if let Some(n) = cfg.threads {
-        // The CPU kernels (engine::cpu) and candle's size their compute
-        // threads from this variable; it must be set before the model loads.
+        // candle's CPU-side operations size their thread pool from this
+        // variable (the CPU kernels get --threads directly); it must be set
+        // before the model loads.
         std::env::set_var("RAYON_NUM_THREADS", n.to_string());
     }
     let listener = tokio::net::TcpListener::bind(cfg.listen)

@@ -34,15 +34,22 @@ impl Logits {
 }
 
 impl Backend {
-    /// Loads the weights for `device`: the CPU kernels on the CPU, candle on
-    /// anything else.
+    /// Loads the weights for `device`: the CPU kernels on the CPU (with
+    /// `threads` compute threads, None for every core), candle on anything
+    /// else.
     pub fn load<R: Read + Seek>(
         content: &gguf_file::Content,
         reader: &mut R,
         device: &Device,
+        threads: Option<usize>,
     ) -> Result<Self, ModelError> {
         Ok(match device {
-            Device::Cpu => Backend::Cpu(Box::new(CpuLlama::load(content, reader)?)),
+            Device::Cpu => {
+                let threads = threads
+                    .filter(|&n| n > 0)
+                    .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+                Backend::Cpu(Box::new(CpuLlama::load(content, reader, threads)?))
+            }
             _ => Backend::Candle(LlamaModel::load(content, reader, device)?),
         })
     }

@@ -53,8 +53,19 @@ pub struct LoadedModel {
 }
 
 impl LoadedModel {
-    /// Reads and prepares a GGUF model on `device`.
+    /// Reads and prepares a GGUF model on `device`, with every core as a
+    /// compute thread on the CPU.
     pub fn load(path: &Path, device: &Device) -> Result<Self, LoadError> {
+        Self::load_with_threads(path, device, None)
+    }
+
+    /// Reads and prepares a GGUF model on `device`; on the CPU, `threads`
+    /// compute threads (None: every core).
+    pub fn load_with_threads(
+        path: &Path,
+        device: &Device,
+        threads: Option<usize>,
+    ) -> Result<Self, LoadError> {
         let io = |source| LoadError::Io {
             path: path.to_path_buf(),
             source,
@@ -74,7 +85,7 @@ impl LoadedModel {
             .get("general.name")
             .and_then(|v| v.to_string().ok())
             .cloned();
-        let llama = Backend::load(&content, &mut file, device)?;
+        let llama = Backend::load(&content, &mut file, device, threads)?;
         Ok(Self {
             llama,
             tokenizer,

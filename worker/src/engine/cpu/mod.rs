@@ -77,16 +77,6 @@ pub struct CpuLlama {
     threads: ComputePool,
 }
 
-/// Compute threads: `RAYON_NUM_THREADS` (which the worker's `--threads` sets,
-/// for candle's kernels too), else every core.
-fn thread_count() -> usize {
-    std::env::var("RAYON_NUM_THREADS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .filter(|&n| n > 0)
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
-}
-
 fn read_raw<R: Read + Seek>(
     content: &gguf_file::Content,
     reader: &mut R,
@@ -159,10 +149,12 @@ fn vector<R: Read + Seek>(
 }
 
 impl CpuLlama {
-    /// Reads the weights, keeping Q4_1 and Q8_0 blocks as they are.
+    /// Reads the weights, keeping Q4_1 and Q8_0 blocks as they are, and
+    /// starts `threads` compute threads (the caller's included).
     pub fn load<R: Read + Seek>(
         content: &gguf_file::Content,
         reader: &mut R,
+        threads: usize,
     ) -> Result<Self, ModelError> {
         let cfg = LlamaConfig::from_gguf(content)?;
         let embed = matrix(content, reader, "token_embd.weight")?.interleaved();
@@ -201,7 +193,7 @@ impl CpuLlama {
             layers,
             inv_freq,
             scratch: Mutex::default(),
-            threads: ComputePool::new(thread_count())
+            threads: ComputePool::new(threads)
                 .map_err(|e| ModelError::Backend(format!("starting compute threads: {e}")))?,
         };
         tracing::info!(
