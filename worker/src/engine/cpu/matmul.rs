@@ -233,11 +233,15 @@ impl QMatrix {
 }
 
 /// Whether the SIMD kernels run on this CPU (else the portable loops do).
+/// `TOKENMESH_CPU_SIMD=0` forces the portable loops, to test or compare them.
 pub fn simd_available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         static SIMD: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *SIMD.get_or_init(super::x86::supported)
+        *SIMD.get_or_init(|| {
+            super::x86::supported()
+                && std::env::var("TOKENMESH_CPU_SIMD").map_or(true, |v| v != "0")
+        })
     }
     #[cfg(not(target_arch = "x86_64"))]
     false
