@@ -168,7 +168,10 @@ done
 
 # --- failover -------------------------------------------------------------------
 step "a worker killed mid-stream: the client's stream completes"
-out=$(client --target "$R1" --timeout 120 kill-mid-stream --after-tokens 4 --max-tokens 48 \
+# 512 tokens (this prompt runs to max_tokens): at the CPU kernels' few ms a
+# token, a shorter stream can end before `docker kill` or `docker network
+# disconnect` has taken effect, and then nothing fails over.
+out=$(client --target "$R1" --timeout 120 kill-mid-stream --after-tokens 4 --max-tokens 512 \
   --kill-cmd "${COMPOSE_BIN[*]} kill -s SIGKILL {worker}") || die "failover: $out"
 echo "$out"
 killed=$(json "$out" '["killed"]')
@@ -179,7 +182,7 @@ client --target "$R1" --timeout 120 wait-ready --want v1=2,v2=1
 step "a worker cut off the network mid-stream: keepalive ejects it, the stream fails over; it returns when reconnected"
 # A silent partition sends no RST: only the router's HTTP/2 keepalive
 # (1 s interval, 1 s timeout here) notices that the open stream is dead.
-out=$(client --target "$R2" --timeout 120 kill-mid-stream --after-tokens 4 --max-tokens 48 \
+out=$(client --target "$R2" --timeout 120 kill-mid-stream --after-tokens 4 --max-tokens 512 \
   --kill-cmd "docker network disconnect $NET \$(${COMPOSE_BIN[*]} ps -q {worker})") || die "partition: $out"
 echo "$out"
 cut=$(json "$out" '["killed"]')
