@@ -1,6 +1,6 @@
 //! Causal attention of a batch's new rows against each sequence's cached
 //! keys and values, read in place from the KV pool's blocks.
-use super::threads::ComputePool;
+use super::threads::{ComputePool, Parts};
 use std::cell::RefCell;
 use std::ops::Range;
 
@@ -20,18 +20,6 @@ pub struct Heads {
     pub n_head: usize,
     pub n_kv_head: usize,
     pub head_dim: usize,
-}
-
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-
-impl OutPtr {
-    /// Through a method, so that closures capture the whole (Sync) wrapper.
-    fn get(self) -> *mut f32 {
-        self.0
-    }
 }
 
 thread_local! {
@@ -64,7 +52,7 @@ pub fn attend(
     let scale = 1.0 / (hd as f32).sqrt();
     let rows_total = seqs.iter().map(|s| s.rows.end).max().unwrap_or(0);
     assert!(out.len() >= rows_total * q_dim, "attention output size");
-    let base = OutPtr(out.as_mut_ptr());
+    let base = Parts(out.as_mut_ptr());
     let simd = super::matmul::simd_available() && hd % 8 == 0;
     let task = |t: usize| {
         let (s, h) = (&seqs[t / n_head], t % n_head);

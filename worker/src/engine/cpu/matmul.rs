@@ -1,7 +1,7 @@
 //! Quantized weight matrices and their product with a batch of activation
 //! rows, split over the compute threads by weight rows.
 use super::quant::{self, BlockQ4_1, BlockQ4_1x8, BlockQ8A, BlockQ8_0, BlockQ8_0x8, QK};
-use super::threads::ComputePool;
+use super::threads::{ComputePool, Parts};
 use std::ops::Range;
 
 /// A matrix's blocks, row-major, in one of the formats the kernels run.
@@ -21,20 +21,6 @@ pub struct QMatrix {
     pub rows: usize,
     pub cols: usize,
     pub blocks: Blocks,
-}
-
-/// A raw output pointer shared by the threads of one product; each writes
-/// only the columns of its own weight rows.
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-
-impl OutPtr {
-    /// Through a method, so that closures capture the whole (Sync) wrapper.
-    fn get(self) -> *mut f32 {
-        self.0
-    }
 }
 
 impl QMatrix {
@@ -164,7 +150,7 @@ impl QMatrix {
         let units = self.rows / self.unit();
         let chunk = units.div_ceil(threads * 4).max(8 / self.unit());
         let chunks = units.div_ceil(chunk);
-        let base = OutPtr(out[col0..].as_mut_ptr());
+        let base = Parts(out[col0..].as_mut_ptr());
         let run = |c: usize| {
             let rows = c * chunk..((c + 1) * chunk).min(units);
             // SAFETY: rows are disjoint between chunks, so are the written

@@ -141,8 +141,8 @@ impl ComputePool {
 }
 
 /// A raw pointer shared by the tasks of one job, each of which touches only
-/// its own part.
-struct Parts<T>(*mut T);
+/// its own part of what it points to.
+pub(super) struct Parts<T>(pub(super) *mut T);
 impl<T> Clone for Parts<T> {
     fn clone(&self) -> Self {
         *self
@@ -151,7 +151,7 @@ impl<T> Clone for Parts<T> {
 impl<T> Copy for Parts<T> {}
 impl<T> Parts<T> {
     /// Through a method, so that closures capture the whole (Sync) wrapper.
-    fn get(self) -> *mut T {
+    pub(super) fn get(self) -> *mut T {
         self.0
     }
 }
