@@ -77,25 +77,24 @@ pub struct CpuLlama {
     threads: ComputePool,
 }
 
+/// The stored bytes of tensor `name`.
 fn read_raw<R: Read + Seek>(
     content: &gguf_file::Content,
     reader: &mut R,
     name: &str,
-) -> Result<(GgmlDType, Vec<usize>, Vec<u8>), ModelError> {
+) -> Result<Vec<u8>, ModelError> {
     let info = content
         .tensor_infos
         .get(name)
         .ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
-    let dims = info.shape.dims().to_vec();
-    let elems: usize = dims.iter().product();
+    let elems = info.shape.elem_count();
     let dtype = info.ggml_dtype;
-    let bytes = elems / dtype.block_size() * dtype.type_size();
-    let mut buf = vec![0u8; bytes];
+    let mut buf = vec![0u8; elems / dtype.block_size() * dtype.type_size()];
     reader
         .seek(SeekFrom::Start(content.tensor_data_offset + info.offset))
         .and_then(|_| reader.read_exact(&mut buf))
         .map_err(|e| ModelError::Candle(candle_core::Error::Msg(format!("reading {name}: {e}"))))?;
-    Ok((dtype, dims, buf))
+    Ok(buf)
 }
 
 /// A 2-D weight in a format the kernels run: Q4_1 and Q8_0 as stored, any
@@ -105,7 +104,11 @@ fn matrix<R: Read + Seek>(
     reader: &mut R,
     name: &str,
 ) -> Result<QMatrix, ModelError> {
-    let (dtype, dims, bytes) = read_raw(content, reader, name)?;
+    let info = content
+        .tensor_infos
+        .get(name)
+        .ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
+    let dims = info.shape.dims().to_vec();
     let [rows, cols] = dims[..] else {
         return Err(ModelError::Shape {
             name: name.to_string(),
@@ -118,9 +121,9 @@ fn matrix<R: Read + Seek>(
             why: format!("rows of {cols} values; the CPU kernels need a multiple of {QK}"),
         });
     }
-    let blocks = match dtype {
-        GgmlDType::Q4_1 => Blocks::Q4_1(quant::parse_q4_1(&bytes)),
-        GgmlDType::Q8_0 => Blocks::Q8_0(quant::parse_q8_0(&bytes)),
+    let blocks = match info.ggml_dtype {
+        GgmlDType::Q4_1 => Blocks::Q4_1(quant::parse_q4_1(&read_raw(content, reader, name)?)),
+        GgmlDType::Q8_0 => Blocks::Q8_0(quant::parse_q8_0(&read_raw(content, reader, name)?)),
         _ => {
             let dense = content
                 .tensor(reader, name, &Device::Cpu)?
