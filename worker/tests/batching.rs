@@ -1,7 +1,8 @@
 //! The engine with the real model, in-process: batching, chunked prefill and
 //! preemption change no token; priorities order the queue; cancellation frees
 //! KV blocks.
-use std::path::PathBuf;
+mod common;
+
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -13,13 +14,7 @@ use tokenmesh_worker::scheduler::{
 use tokio::sync::mpsc;
 
 fn model() -> Arc<LoadedModel> {
-    let path = std::env::var_os("TOKENMESH_TEST_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var_os("HOME").unwrap())
-                .join(".cache/tokenmesh/models/SmolLM2-135M-Instruct.Q4_1.gguf")
-        });
-    Arc::new(LoadedModel::load(&path, &device()).expect("model (run scripts/test.sh to fetch it)"))
+    Arc::new(LoadedModel::load(&common::model_path(), &device()).expect("model loads"))
 }
 
 fn config(max_batch: usize, kv_mib: usize) -> SchedulerConfig {

@@ -6,12 +6,15 @@
 //!
 //! The fixture (tests/fixtures/llamacpp_greedy.json) holds llama.cpp's top-5
 //! probabilities per step and the command that made it.
+mod common;
+
+use common::{forward_one, france_reply, model_path};
 use serde_json::Value;
 use std::path::PathBuf;
 use tokenmesh_worker::engine::backend::Backend;
 use tokenmesh_worker::engine::chat_template::ChatTurn;
-use tokenmesh_worker::engine::kv_pool::{KvCache, KvPool};
-use tokenmesh_worker::engine::llama::{argmax, LlamaModel, SeqStep};
+use tokenmesh_worker::engine::kv_pool::KvCache;
+use tokenmesh_worker::engine::llama::{argmax, LlamaModel};
 use tokenmesh_worker::engine::LoadedModel;
 
 /// Two tokens count as a near-tie when llama.cpp's probabilities for them
@@ -25,20 +28,6 @@ const NEAR_TIE: f32 = 0.06;
 /// stay under 0.05). A real defect (wrong rotary layout, norm or mask) moves
 /// probabilities far more than this.
 const MAX_PROB_DRIFT: f32 = 0.12;
-
-fn model_path() -> PathBuf {
-    if let Some(p) = std::env::var_os("TOKENMESH_TEST_MODEL") {
-        return p.into();
-    }
-    let home = PathBuf::from(std::env::var_os("HOME").expect("HOME"));
-    let p = home.join(".cache/tokenmesh/models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert!(
-        p.is_file(),
-        "{} missing: run scripts/test.sh, which fetches it",
-        p.display()
-    );
-    p
-}
 
 /// The fixture, or `TOKENMESH_TEST_FIXTURE` where the test binary runs away
 /// from the source tree it was built in (scripts/gpu-check.sh --prebuilt).
@@ -161,55 +150,7 @@ fn greedy_matches_llama_cpp() {
 #[test]
 fn france_reply_is_paris() {
     let model = LoadedModel::load(&model_path(), &device()).expect("model loads");
-    let turns = vec![
-        ChatTurn {
-            role: "system".into(),
-            content: "You are a helpful assistant.".into(),
-        },
-        ChatTurn {
-            role: "user".into(),
-            content: "What is the capital of France?".into(),
-        },
-    ];
-    let prompt = model
-        .template
-        .as_ref()
-        .unwrap()
-        .render(&turns, true)
-        .unwrap();
-    let mut feed = model.tokenizer.encode(&prompt).unwrap();
-    let mut pool = model.llama.kv_pool(64 << 20, 16).unwrap();
-    let mut cache = KvCache::default();
-    let mut out = Vec::new();
-    for _ in 0..16 {
-        let logits = forward_one(&model.llama, &mut pool, &feed, &mut cache);
-        let t = argmax(&logits);
-        if model.tokenizer.eos_token_ids().contains(&t) {
-            break;
-        }
-        out.push(t);
-        feed = vec![t];
-    }
-    assert_eq!(
-        model.tokenizer.decode(&out),
-        "The capital of France is Paris."
-    );
-}
-
-fn forward_one(llama: &Backend, pool: &mut KvPool, feed: &[u32], cache: &mut KvCache) -> Vec<f32> {
-    let want = cache.len() + feed.len();
-    pool.reserve(cache, want).unwrap();
-    llama
-        .forward(
-            pool,
-            &mut [SeqStep {
-                tokens: feed,
-                cache,
-            }],
-        )
-        .unwrap()
-        .row(0)
-        .to_vec()
+    assert_eq!(france_reply(&model), "The capital of France is Paris.");
 }
 
 /// The CPU kernels (quantized weights and 8-bit activations) and candle's

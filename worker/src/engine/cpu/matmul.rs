@@ -70,9 +70,9 @@ impl QMatrix {
     }
 
     /// The same matrix with groups of eight rows interleaved for the SIMD
-    /// kernels, where they run and the row count allows; else unchanged.
+    /// kernels (the last group padded), where they run; else unchanged.
     pub fn interleaved(self) -> QMatrix {
-        if !simd_available() || !self.rows.is_multiple_of(8) {
+        if !simd_available() {
             return self;
         }
         let kb = self.row_blocks();
@@ -147,7 +147,7 @@ impl QMatrix {
         // Work is split in units of whole interleaved groups. Several chunks
         // per thread even for small matrices, so a thread that starts late
         // still finds work.
-        let units = self.rows / self.unit();
+        let units = self.rows.div_ceil(self.unit());
         let chunk = units.div_ceil(threads * 4).max(8 / self.unit());
         let chunks = units.div_ceil(chunk);
         let base = Parts(out[col0..].as_mut_ptr());
@@ -173,25 +173,26 @@ impl QMatrix {
         out: *mut f32,
         ld: usize,
     ) {
+        // The interleaved layouts exist only where the SIMD kernels run; the
+        // plain ones take the portable loops below.
         #[cfg(target_arch = "x86_64")]
-        if simd_available() {
+        {
             use super::x86;
+            let (vnni, all) = (vnni_available(), self.rows);
             match &self.blocks {
-                Blocks::Q4_1(w) => x86::rows_q4_1(w, kb, rows, a, n, out, ld),
-                Blocks::Q8_0(w) => x86::rows_q8_0(w, kb, rows, a, n, out, ld),
-                Blocks::Q4_1x8(w) if vnni_available() => {
-                    x86::groups_q4_1x8_vnni(w, kb, rows, a, n, out, ld)
+                Blocks::Q4_1x8(w) if vnni => {
+                    return x86::groups_q4_1x8_vnni(w, kb, rows, all, a, n, out, ld);
                 }
-                Blocks::Q8_0x8(w) if vnni_available() => {
-                    x86::groups_q8_0x8_vnni(w, kb, rows, a, n, out, ld)
+                Blocks::Q8_0x8(w) if vnni => {
+                    return x86::groups_q8_0x8_vnni(w, kb, rows, all, a, n, out, ld);
                 }
-                Blocks::Q4_1x8(w) => x86::groups_q4_1x8(w, kb, rows, a, n, out, ld),
-                Blocks::Q8_0x8(w) => x86::groups_q8_0x8(w, kb, rows, a, n, out, ld),
+                Blocks::Q4_1x8(w) => return x86::groups_q4_1x8(w, kb, rows, all, a, n, out, ld),
+                Blocks::Q8_0x8(w) => return x86::groups_q8_0x8(w, kb, rows, all, a, n, out, ld),
+                Blocks::Q4_1(_) | Blocks::Q8_0(_) => {}
             }
-            return;
         }
         let unit = self.unit();
-        for r in rows.start * unit..rows.end * unit {
+        for r in rows.start * unit..(rows.end * unit).min(self.rows) {
             let (g, lane) = (r / 8, r % 8);
             for i in 0..n {
                 let ai = &a[i * kb..(i + 1) * kb];
@@ -295,14 +296,8 @@ impl Linear {
 
 #[cfg(test)]
 mod tests {
+    use super::super::quant::tests::lcg;
     use super::*;
-
-    fn lcg(seed: &mut u64) -> f32 {
-        *seed = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
 
     fn q4_1_matrix(rows: usize, cols: usize, seed: &mut u64) -> QMatrix {
         let blocks = (0..rows * cols / QK)
@@ -325,7 +320,8 @@ mod tests {
     #[test]
     fn batched_rows_equal_single_rows_bit_for_bit() {
         let mut seed = 3;
-        let (rows, cols) = (72, 4 * QK);
+        // 70 rows: the last interleaved group is padded.
+        let (rows, cols) = (70, 4 * QK);
         let q4 = q4_1_matrix(rows, cols, &mut seed);
         let dense: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut seed)).collect();
         let q8 = QMatrix {
@@ -382,7 +378,7 @@ mod tests {
         }
         use super::super::x86;
         let mut seed = 11;
-        let (rows, cols, n) = (32, 6 * QK, 7);
+        let (rows, cols, n) = (30, 6 * QK, 7);
         let kb = cols / QK;
         let dense: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut seed)).collect();
         let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut seed)).collect();
@@ -401,13 +397,49 @@ mod tests {
         let (mut p, mut v) = (vec![0f32; n * rows], vec![0f32; n * rows]);
         // SAFETY: the CPU has the features (checked above); sizes match.
         unsafe {
-            x86::groups_q4_1x8(&q4, kb, 0..rows / 8, &a, n, p.as_mut_ptr(), rows);
-            x86::groups_q4_1x8_vnni(&q4, kb, 0..rows / 8, &a, n, v.as_mut_ptr(), rows);
+            x86::groups_q4_1x8(
+                &q4,
+                kb,
+                0..rows.div_ceil(8),
+                rows,
+                &a,
+                n,
+                p.as_mut_ptr(),
+                rows,
+            );
+            x86::groups_q4_1x8_vnni(
+                &q4,
+                kb,
+                0..rows.div_ceil(8),
+                rows,
+                &a,
+                n,
+                v.as_mut_ptr(),
+                rows,
+            );
         }
         assert_eq!(p, v);
         unsafe {
-            x86::groups_q8_0x8(&q8, kb, 0..rows / 8, &a, n, p.as_mut_ptr(), rows);
-            x86::groups_q8_0x8_vnni(&q8, kb, 0..rows / 8, &a, n, v.as_mut_ptr(), rows);
+            x86::groups_q8_0x8(
+                &q8,
+                kb,
+                0..rows.div_ceil(8),
+                rows,
+                &a,
+                n,
+                p.as_mut_ptr(),
+                rows,
+            );
+            x86::groups_q8_0x8_vnni(
+                &q8,
+                kb,
+                0..rows.div_ceil(8),
+                rows,
+                &a,
+                n,
+                v.as_mut_ptr(),
+                rows,
+            );
         }
         assert_eq!(p, v);
     }

@@ -71,13 +71,22 @@ pub struct BlockQ8_0x8 {
     pub qs: [i8; 256],
 }
 
-/// Interleaves a Q4_1 matrix of `rows` (a multiple of 8) rows of `kb` blocks.
+/// Interleaves a Q4_1 matrix of rows of `kb` blocks; a last group of fewer
+/// than eight rows is padded with zero blocks (their outputs are never stored).
 pub fn interleave_q4_1(w: &[BlockQ4_1], kb: usize) -> Vec<BlockQ4_1x8> {
-    let groups = w.len() / kb / 8;
+    let rows = w.len() / kb;
+    let groups = rows.div_ceil(8);
+    let zero = BlockQ4_1::default();
     let mut out = Vec::with_capacity(groups * kb);
     for g in 0..groups {
         for b in 0..kb {
-            let row = |r: usize| &w[(g * 8 + r) * kb + b];
+            let row = |r: usize| {
+                if g * 8 + r < rows {
+                    &w[(g * 8 + r) * kb + b]
+                } else {
+                    &zero
+                }
+            };
             let mut qs = [0u8; 128];
             for c in 0..4 {
                 for r in 0..8 {
@@ -95,13 +104,22 @@ pub fn interleave_q4_1(w: &[BlockQ4_1], kb: usize) -> Vec<BlockQ4_1x8> {
     out
 }
 
-/// Interleaves a Q8_0 matrix of `rows` (a multiple of 8) rows of `kb` blocks.
+/// Interleaves a Q8_0 matrix of rows of `kb` blocks, padded like
+/// `interleave_q4_1`.
 pub fn interleave_q8_0(w: &[BlockQ8_0], kb: usize) -> Vec<BlockQ8_0x8> {
-    let groups = w.len() / kb / 8;
+    let rows = w.len() / kb;
+    let groups = rows.div_ceil(8);
+    let zero = BlockQ8_0::default();
     let mut out = Vec::with_capacity(groups * kb);
     for g in 0..groups {
         for b in 0..kb {
-            let row = |r: usize| &w[(g * 8 + r) * kb + b];
+            let row = |r: usize| {
+                if g * 8 + r < rows {
+                    &w[(g * 8 + r) * kb + b]
+                } else {
+                    &zero
+                }
+            };
             let mut qs = [0i8; 256];
             for c in 0..8 {
                 for r in 0..8 {
@@ -234,8 +252,11 @@ pub fn quantize_block(v: &[f32]) -> BlockQ8A {
     b
 }
 
-/// Quantizes one activation row (a multiple of 32 values) into `out`.
-pub fn quantize_row(x: &[f32], out: &mut [BlockQ8A]) {
+/// Quantizes one activation row (a multiple of 32 values) into `out`, block
+/// by block with the portable code: the definition the kernels' tests hold
+/// the fused SIMD paths (`rows`) to.
+#[cfg(test)]
+pub(super) fn quantize_row(x: &[f32], out: &mut [BlockQ8A]) {
     debug_assert_eq!(x.len(), out.len() * QK);
     for (v, b) in x.chunks_exact(QK).zip(out.iter_mut()) {
         *b = quantize_block(v);
@@ -273,10 +294,12 @@ pub fn dot_q8_0(w: &[BlockQ8_0], a: &[BlockQ8A]) -> f32 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
-    fn lcg(seed: &mut u64) -> f32 {
+    /// A small deterministic generator of values in (-1, 1), for the
+    /// kernels' tests.
+    pub(in crate::engine::cpu) fn lcg(seed: &mut u64) -> f32 {
         *seed = seed
             .wrapping_mul(6364136223846793005)
             .wrapping_add(1442695040888963407);
@@ -299,22 +322,23 @@ mod tests {
 
     #[test]
     fn interleaved_blocks_give_back_each_row() {
-        let kb = 3;
-        let w4: Vec<BlockQ4_1> = (0..16 * kb)
+        let (kb, rows) = (3, 13);
+        let w4: Vec<BlockQ4_1> = (0..rows * kb)
             .map(|i| BlockQ4_1 {
                 d: i as u16,
                 m: 1000 + i as u16,
                 qs: std::array::from_fn(|j| (i * 16 + j) as u8),
             })
             .collect();
-        let w8: Vec<BlockQ8_0> = (0..16 * kb)
+        let w8: Vec<BlockQ8_0> = (0..rows * kb)
             .map(|i| BlockQ8_0 {
                 d: i as u16,
                 qs: std::array::from_fn(|j| (i * 32 + j) as i8),
             })
             .collect();
         let (x4, x8) = (interleave_q4_1(&w4, kb), interleave_q8_0(&w8, kb));
-        for row in 0..16 {
+        assert_eq!((x4.len(), x8.len()), (2 * kb, 2 * kb));
+        for row in 0..rows {
             for b in 0..kb {
                 let (g, r) = (row / 8, row % 8);
                 let (a, want) = (lane_q4_1(&x4[g * kb + b], r), w4[row * kb + b]);

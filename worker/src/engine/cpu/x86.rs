@@ -1,12 +1,14 @@
 //! AVX2 kernels for quantized matrix products (x86_64 with AVX2, FMA and
-//! F16C, checked at run time by `matmul`).
+//! F16C, checked at run time by `matmul`), on weights interleaved by eight
+//! rows (`quant::BlockQ4_1x8`, `quant::BlockQ8_0x8`), and the row-wise and
+//! attention kernels of the CPU backend.
 //!
 //! A weight block is unpacked into a register once and multiplied with up to
 //! four activation rows (the batch's tokens), so a batched decode step reads
 //! each weight once however many sequences it carries. Each output element is
 //! computed by the same instruction sequence whatever the tile size, so a
 //! sequence's numbers do not depend on what else shares its batch.
-use super::quant::{BlockQ4_1, BlockQ4_1x8, BlockQ8A, BlockQ8_0, BlockQ8_0x8};
+use super::quant::{BlockQ4_1x8, BlockQ8A, BlockQ8_0x8};
 use std::arch::x86_64::*;
 use std::ops::Range;
 
@@ -22,115 +24,18 @@ unsafe fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
-/// f16 bits to f32 (F16C).
+/// Stores the first `lanes` of `v` (eight, except in a matrix's last,
+/// padded group of rows).
 #[inline(always)]
-unsafe fn f16(bits: u16) -> f32 {
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
-}
-
-#[inline(always)]
-unsafe fn tile_q4_1<const R: usize>(
-    w: &[BlockQ4_1],
-    a: &[BlockQ8A],
-    kb: usize,
-    out: *mut f32,
-    ld: usize,
-) {
-    let m4 = _mm_set1_epi8(0x0f);
-    let ones = _mm256_set1_epi16(1);
-    let mut acc = [_mm256_setzero_ps(); R];
-    let mut mins = [0f32; R];
-    for (b, wb) in w.iter().enumerate() {
-        let qs = _mm_loadu_si128(wb.qs.as_ptr() as *const __m128i);
-        let lo = _mm_and_si128(qs, m4);
-        let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), m4);
-        let wq = _mm256_set_m128i(hi, lo);
-        let dw = f16(wb.d);
-        let mw = f16(wb.m);
-        for i in 0..R {
-            let ab = a.get_unchecked(i * kb + b);
-            let aq = _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i);
-            let p = _mm256_madd_epi16(_mm256_maddubs_epi16(wq, aq), ones);
-            acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(dw * ab.d), _mm256_cvtepi32_ps(p), acc[i]);
-            mins[i] += mw * ab.s;
-        }
-    }
-    for i in 0..R {
-        *out.add(i * ld) = hsum(acc[i]) + mins[i];
+unsafe fn store(out: *mut f32, v: __m256, lanes: usize) {
+    if lanes == 8 {
+        _mm256_storeu_ps(out, v);
+    } else {
+        let mut tmp = [0f32; 8];
+        _mm256_storeu_ps(tmp.as_mut_ptr(), v);
+        std::ptr::copy_nonoverlapping(tmp.as_ptr(), out, lanes);
     }
 }
-
-#[inline(always)]
-unsafe fn tile_q8_0<const R: usize>(
-    w: &[BlockQ8_0],
-    a: &[BlockQ8A],
-    kb: usize,
-    out: *mut f32,
-    ld: usize,
-) {
-    let ones = _mm256_set1_epi16(1);
-    let mut acc = [_mm256_setzero_ps(); R];
-    for (b, wb) in w.iter().enumerate() {
-        let wq = _mm256_loadu_si256(wb.qs.as_ptr() as *const __m256i);
-        // maddubs multiplies unsigned by signed: move w's sign onto a.
-        let wabs = _mm256_sign_epi8(wq, wq);
-        let dw = f16(wb.d);
-        for i in 0..R {
-            let ab = a.get_unchecked(i * kb + b);
-            let aq = _mm256_sign_epi8(_mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i), wq);
-            let p = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, aq), ones);
-            acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(dw * ab.d), _mm256_cvtepi32_ps(p), acc[i]);
-        }
-    }
-    for i in 0..R {
-        *out.add(i * ld) = hsum(acc[i]);
-    }
-}
-
-macro_rules! rows_kernel {
-    ($name:ident, $block:ty, $tile:ident) => {
-        /// Weight rows `rows` (each `kb` blocks) against all `n` activation
-        /// rows of `a`: `out[i * ld + r]` for i < n, r in `rows`.
-        ///
-        /// # Safety
-        /// The CPU must have AVX2, FMA and F16C; `w` holds the rows, `a`
-        /// holds `n * kb` blocks, and `out` is valid for those writes.
-        #[target_feature(enable = "avx2,fma,f16c")]
-        pub unsafe fn $name(
-            w: &[$block],
-            kb: usize,
-            rows: Range<usize>,
-            a: &[BlockQ8A],
-            n: usize,
-            out: *mut f32,
-            ld: usize,
-        ) {
-            let mut t0 = 0;
-            while t0 < n {
-                let t1 = (t0 + TILE).min(n);
-                for r in rows.clone() {
-                    let wr = w.get_unchecked(r * kb..(r + 1) * kb);
-                    let mut i = t0;
-                    while i + 4 <= t1 {
-                        $tile::<4>(wr, &a[i * kb..], kb, out.add(i * ld + r), ld);
-                        i += 4;
-                    }
-                    let (ar, o) = (&a[i * kb..], out.add(i * ld + r));
-                    match t1 - i {
-                        3 => $tile::<3>(wr, ar, kb, o, ld),
-                        2 => $tile::<2>(wr, ar, kb, o, ld),
-                        1 => $tile::<1>(wr, ar, kb, o, ld),
-                        _ => {}
-                    }
-                }
-                t0 = t1;
-            }
-        }
-    };
-}
-
-rows_kernel!(rows_q4_1, BlockQ4_1, tile_q4_1);
-rows_kernel!(rows_q8_0, BlockQ8_0, tile_q8_0);
 
 /// Eight interleaved Q4_1 rows against up to four activation rows: writes
 /// eight consecutive outputs per activation row.
@@ -141,6 +46,7 @@ unsafe fn tile_q4_1x8<const R: usize, const VNNI: bool>(
     kb: usize,
     out: *mut f32,
     ld: usize,
+    lanes: usize,
 ) {
     let m4 = _mm256_set1_epi8(0x0f);
     let ones = _mm256_set1_epi16(1);
@@ -182,7 +88,7 @@ unsafe fn tile_q4_1x8<const R: usize, const VNNI: bool>(
         }
     }
     for i in 0..R {
-        _mm256_storeu_ps(out.add(i * ld), acc[i]);
+        store(out.add(i * ld), acc[i], lanes);
     }
 }
 
@@ -194,6 +100,7 @@ unsafe fn tile_q8_0x8<const R: usize, const VNNI: bool>(
     kb: usize,
     out: *mut f32,
     ld: usize,
+    lanes: usize,
 ) {
     let ones = _mm256_set1_epi16(1);
     let mut acc = [_mm256_setzero_ps(); R];
@@ -222,25 +129,28 @@ unsafe fn tile_q8_0x8<const R: usize, const VNNI: bool>(
         }
     }
     for i in 0..R {
-        _mm256_storeu_ps(out.add(i * ld), acc[i]);
+        store(out.add(i * ld), acc[i], lanes);
     }
 }
 
 macro_rules! groups_kernel {
     ($name:ident, $block:ty, $tile:ident, $vnni:literal, $features:literal) => {
         /// Groups of eight interleaved weight rows (`groups`, each `kb`
-        /// blocks) against all `n` activation rows of `a`:
-        /// `out[i * ld + 8 g + r]` for i < n, g in `groups`, r < 8.
+        /// blocks; the matrix has `rows` rows, so its last group may be
+        /// padded) against all `n` activation rows of `a`:
+        /// `out[i * ld + 8 g + r]` for i < n, g in `groups`, 8 g + r < `rows`.
         ///
         /// # Safety
         /// The CPU must have the features enabled below; `w` holds the
         /// groups, `a` holds `n * kb` blocks, and `out` is valid for those
         /// writes.
+        #[allow(clippy::too_many_arguments)]
         #[target_feature(enable = $features)]
         pub unsafe fn $name(
             w: &[$block],
             kb: usize,
             groups: Range<usize>,
+            rows: usize,
             a: &[BlockQ8A],
             n: usize,
             out: *mut f32,
@@ -251,16 +161,18 @@ macro_rules! groups_kernel {
                 let t1 = (t0 + TILE).min(n);
                 for g in groups.clone() {
                     let wg = w.get_unchecked(g * kb..(g + 1) * kb);
+                    let lanes = (rows - 8 * g).min(8);
                     let mut i = t0;
                     while i + 4 <= t1 {
-                        $tile::<4, $vnni>(wg, &a[i * kb..], kb, out.add(i * ld + 8 * g), ld);
+                        let o = out.add(i * ld + 8 * g);
+                        $tile::<4, $vnni>(wg, &a[i * kb..], kb, o, ld, lanes);
                         i += 4;
                     }
                     let (ar, o) = (&a[i * kb..], out.add(i * ld + 8 * g));
                     match t1 - i {
-                        3 => $tile::<3, $vnni>(wg, ar, kb, o, ld),
-                        2 => $tile::<2, $vnni>(wg, ar, kb, o, ld),
-                        1 => $tile::<1, $vnni>(wg, ar, kb, o, ld),
+                        3 => $tile::<3, $vnni>(wg, ar, kb, o, ld, lanes),
+                        2 => $tile::<2, $vnni>(wg, ar, kb, o, ld, lanes),
+                        1 => $tile::<1, $vnni>(wg, ar, kb, o, ld, lanes),
                         _ => {}
                     }
                 }

@@ -1,0 +1,85 @@
+//! What the model-backed test binaries share: where the model is, and one
+//! greedy reply through a backend.
+#![allow(dead_code)] // each test binary uses its own part
+
+use std::path::PathBuf;
+use tokenmesh_worker::engine::backend::Backend;
+use tokenmesh_worker::engine::chat_template::ChatTurn;
+use tokenmesh_worker::engine::kv_pool::{KvCache, KvPool};
+use tokenmesh_worker::engine::llama::{argmax, SeqStep};
+use tokenmesh_worker::engine::LoadedModel;
+
+/// `TOKENMESH_TEST_MODEL`, else the default model in the cache
+/// (`scripts/test.sh` fetches it).
+pub fn model_path() -> PathBuf {
+    if let Some(p) = std::env::var_os("TOKENMESH_TEST_MODEL") {
+        return p.into();
+    }
+    let home = PathBuf::from(std::env::var_os("HOME").expect("HOME"));
+    let p = home.join(".cache/tokenmesh/models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(
+        p.is_file(),
+        "{} missing: run scripts/test.sh, which fetches it",
+        p.display()
+    );
+    p
+}
+
+/// Runs `feed` through `llama` after what `cache` holds; the logits of its
+/// last token.
+pub fn forward_one(
+    llama: &Backend,
+    pool: &mut KvPool,
+    feed: &[u32],
+    cache: &mut KvCache,
+) -> Vec<f32> {
+    let want = cache.len() + feed.len();
+    pool.reserve(cache, want).unwrap();
+    llama
+        .forward(
+            pool,
+            &mut [SeqStep {
+                tokens: feed,
+                cache,
+            }],
+        )
+        .unwrap()
+        .row(0)
+        .to_vec()
+}
+
+/// The greedy reply (at most 16 tokens) to "What is the capital of France?"
+/// with the default system prompt; llama.cpp answers "The capital of France
+/// is Paris.".
+pub fn france_reply(model: &LoadedModel) -> String {
+    let turns = [
+        ChatTurn {
+            role: "system".into(),
+            content: "You are a helpful assistant.".into(),
+        },
+        ChatTurn {
+            role: "user".into(),
+            content: "What is the capital of France?".into(),
+        },
+    ];
+    let prompt = model
+        .template
+        .as_ref()
+        .unwrap()
+        .render(&turns, true)
+        .unwrap();
+    let mut feed = model.tokenizer.encode(&prompt).unwrap();
+    let mut pool = model.llama.kv_pool(64 << 20, 16).unwrap();
+    let mut cache = KvCache::default();
+    let mut out = Vec::new();
+    for _ in 0..16 {
+        let logits = forward_one(&model.llama, &mut pool, &feed, &mut cache);
+        let t = argmax(&logits);
+        if model.tokenizer.eos_token_ids().contains(&t) {
+            break;
+        }
+        out.push(t);
+        feed = vec![t];
+    }
+    model.tokenizer.decode(&out)
+}
