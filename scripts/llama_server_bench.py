@@ -4,7 +4,7 @@ reporting what `meshctl bench` reports, by the same definitions, so the two
 can be put side by side (BENCHMARKS.md, "Engine vs llama-server, side by
 side"). Standard library only.
 
-What it does, mirroring control-plane/src/bin/meshctl/bench/{workload,load,report}.rs:
+What it does, mirroring meshctl/src/bench/{workload,load,report}.rs:
 
 - Load: `--concurrency N` streams, each sending its next request when the
   last ends (closed loop), for `--warmup` seconds and then `--duration`
@@ -53,7 +53,7 @@ import sys
 import time
 from urllib.parse import urlparse
 
-# meshctl bench's word list (control-plane/src/bin/meshctl/bench/workload.rs).
+# meshctl bench's word list (meshctl/src/bench/workload.rs).
 WORDS = [
     "the", "river", "carries", "light", "over", "stones", "while", "small", "birds", "sing",
     "about", "morning", "bread", "and", "quiet", "streets", "a", "train", "leaves", "town",

@@ -1,39 +1,26 @@
 //! Command-line configuration of `tokenmesh-control`.
-use clap::Parser;
-use std::net::SocketAddr;
-use std::path::PathBuf;
+use clap::{CommandFactory, Parser};
 use std::time::Duration;
+use tokenmesh_runtime::{ServerArgs, ServerDefaults};
+
+/// The control plane's defaults for the shared server flags.
+#[derive(Clone, Debug)]
+pub struct ControlDefaults;
+
+impl ServerDefaults for ControlDefaults {
+    const LISTEN: &'static str = "0.0.0.0:50071";
+}
 
 /// The tokenmesh control plane: traffic policy, canary rollouts with automated
-/// analysis, and worker operations, all stored in etcd.
+/// analysis, and worker operations, all stored in etcd (--etcd is required).
+/// With --tls-dir (control.pem, control.key), callers need an operator (read
+/// and write) or auditor (read) certificate; with --insecure every caller may
+/// write.
 #[derive(Parser, Clone, Debug)]
 #[command(name = "tokenmesh-control", version)]
 pub struct ControlConfig {
-    /// Address to serve the Control gRPC API on.
-    #[arg(long, env = "TOKENMESH_LISTEN", default_value = "0.0.0.0:50071")]
-    pub listen: SocketAddr,
-
-    /// etcd endpoints, comma-separated (required: all state lives there).
-    #[arg(long, env = "TOKENMESH_ETCD", value_delimiter = ',', required = true)]
-    pub etcd: Vec<String>,
-
-    /// Prefix of every etcd key.
-    #[arg(long, env = "TOKENMESH_ETCD_PREFIX", default_value = "/tokenmesh")]
-    pub etcd_prefix: String,
-
-    /// Serve plaintext gRPC with no identities (development only): every
-    /// caller may write. Required when no --tls-dir is given.
-    #[arg(long, env = "TOKENMESH_INSECURE", conflicts_with = "tls_dir")]
-    pub insecure: bool,
-
-    /// Directory with ca.pem, control.pem and control.key for mutual TLS:
-    /// callers need an operator (read and write) or auditor (read) certificate.
-    #[arg(long, env = "TOKENMESH_TLS_DIR")]
-    pub tls_dir: Option<PathBuf>,
-
-    /// How often control.pem and control.key are checked for replacement, in milliseconds.
-    #[arg(long, env = "TOKENMESH_TLS_RELOAD_MS", default_value_t = 2_000)]
-    pub tls_reload_ms: u64,
+    #[command(flatten)]
+    pub server: ServerArgs<ControlDefaults>,
 
     /// This replica's name in the leader election and in decision records
     /// (default: hostname and process id).
@@ -86,12 +73,25 @@ pub struct ControlConfig {
     /// Window over which `MeshStatus` computes rates, in seconds.
     #[arg(long, env = "TOKENMESH_STATUS_WINDOW_S", default_value_t = 60)]
     pub status_window_s: u64,
-
-    #[command(flatten)]
-    pub telemetry: tokenmesh_proto::telemetry::TelemetryArgs,
 }
 
 impl ControlConfig {
+    /// Parses the command line, exiting with clap's usage error when --etcd
+    /// is missing (it is shared with binaries for which it is optional, and
+    /// required here: all state lives in etcd).
+    pub fn parse_args() -> Self {
+        let cfg = Self::parse();
+        if cfg.server.etcd.is_empty() {
+            Self::command()
+                .error(
+                    clap::error::ErrorKind::MissingRequiredArgument,
+                    "--etcd <URL[,URL...]> is required: the control plane keeps all its state in etcd",
+                )
+                .exit();
+        }
+        cfg
+    }
+
     /// This replica's id.
     pub fn id(&self) -> String {
         self.control_id.clone().unwrap_or_else(|| {

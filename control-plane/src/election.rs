@@ -5,6 +5,8 @@
 //! renew steps down at once rather than risk two leaders.
 use etcd_client::{Client, ResignOptions};
 use std::time::Duration;
+use tokenmesh_runtime::lease::KeptLease;
+use tokenmesh_runtime::Backoff;
 use tokio::sync::watch;
 
 /// Campaigns forever, publishing whether this replica leads on `leading`.
@@ -16,7 +18,7 @@ pub async fn run(
     leading: watch::Sender<bool>,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    let mut backoff = Duration::from_millis(200);
+    let mut backoff = Backoff::reconnect();
     loop {
         if *shutdown.borrow() {
             return;
@@ -32,11 +34,9 @@ pub async fn run(
                 }
             }
         }
-        tokio::select! {
-            _ = tokio::time::sleep(backoff) => {}
-            _ = shutdown.changed() => return,
+        if !backoff.wait(&mut shutdown).await {
+            return;
         }
-        backoff = (backoff * 2).min(Duration::from_secs(5));
     }
 }
 
@@ -49,39 +49,26 @@ async fn term(
     leading: &watch::Sender<bool>,
     shutdown: &mut watch::Receiver<bool>,
 ) -> Result<(), etcd_client::Error> {
-    let ttl_s = ttl.as_secs().max(1) as i64;
-    let lease = client.lease_grant(ttl_s, None).await?.id();
-    let (mut keeper, mut acks) = client.lease_keep_alive(lease).await?;
-    let mut tick = tokio::time::interval(Duration::from_secs(ttl_s as u64) / 3);
-    let mut renew = async || -> Result<(), etcd_client::Error> {
-        keeper.keep_alive().await?;
-        match acks.message().await? {
-            Some(r) if r.ttl() > 0 => Ok(()),
-            _ => Err(etcd_client::Error::LeaseKeepAliveError(
-                "election lease expired".into(),
-            )),
-        }
-    };
-
+    let mut lease = KeptLease::grant(&client, ttl).await?;
     let mut campaigner = client.clone();
-    let campaign = campaigner.campaign(name, id, lease);
+    let campaign = campaigner.campaign(name, id, lease.id());
     tokio::pin!(campaign);
     let leader_key = loop {
         tokio::select! {
             won = &mut campaign => break won?.take_leader(),
-            _ = tick.tick() => renew().await?,
+            _ = lease.due() => lease.renew().await?,
             _ = shutdown.changed() => {
-                let _ = client.lease_revoke(lease).await;
+                lease.revoke().await;
                 return Ok(());
             }
         }
     };
-    tracing::info!(id, lease, "leading the rollout controller");
+    tracing::info!(id, lease = lease.id(), "leading the rollout controller");
     leading.send_replace(true);
     metrics::gauge!("tokenmesh_control_leader").set(1.0);
     loop {
         tokio::select! {
-            _ = tick.tick() => renew().await?,
+            _ = lease.due() => lease.renew().await?,
             _ = shutdown.changed() => {
                 leading.send_replace(false);
                 metrics::gauge!("tokenmesh_control_leader").set(0.0);
@@ -90,7 +77,7 @@ async fn term(
                     opts = opts.with_leader(k);
                 }
                 let _ = client.resign(Some(opts)).await;
-                let _ = client.lease_revoke(lease).await;
+                lease.revoke().await;
                 tracing::info!(id, "resigned leadership");
                 return Ok(());
             }

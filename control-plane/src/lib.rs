@@ -1,7 +1,7 @@
 //! tokenmesh control plane: the `Control` gRPC API over etcd (traffic policy
 //! with compare-and-swap writes, canary rollouts, workers and drains), the
-//! leader-elected rollout controller with automated canary analysis, and
-//! the `meshctl` command line (src/bin/meshctl).
+//! leader-elected rollout controller with automated canary analysis. Its
+//! command line, meshctl, is a crate of its own (meshctl/).
 #![forbid(unsafe_code)]
 
 pub mod analysis;
@@ -17,11 +17,10 @@ pub mod views;
 use config::ControlConfig;
 use std::future::Future;
 use std::time::Duration;
-use tokenmesh_certs::tls::{AuthLayer, Role};
-use tokenmesh_proto::keys::Keys;
+use tokenmesh_certs::tls::Role;
 use tokenmesh_proto::v1::control_server::ControlServer;
+use tokenmesh_runtime::Server;
 use tokio::net::TcpListener;
-use tonic::transport::server::TcpIncoming;
 
 /// How often snapshots are sampled for status rates and the stale-read cache.
 const SAMPLE_EVERY: Duration = Duration::from_secs(2);
@@ -31,12 +30,12 @@ const SAMPLE_EVERY: Duration = Duration::from_secs(2);
 pub enum RunError {
     #[error(transparent)]
     Transport(#[from] tokenmesh_certs::tls::TransportError),
-    #[error("--tls-dir: {0}")]
-    Tls(#[from] tokenmesh_certs::tls::TlsError),
+    #[error("--etcd URL[,URL...] is required: the control plane keeps all its state in etcd")]
+    NoEtcd,
     #[error(transparent)]
     Store(#[from] store::StoreError),
-    #[error("gRPC server: {0}")]
-    Serve(#[from] tonic::transport::Error),
+    #[error(transparent)]
+    Serve(#[from] tokenmesh_runtime::ServeError),
     #[error("listener: {0}")]
     Listener(std::io::Error),
 }
@@ -49,19 +48,23 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), RunError> {
     let tls = tokenmesh_certs::tls::server_transport(
-        cfg.tls_dir.as_deref(),
-        cfg.insecure,
+        cfg.server.tls_dir.as_deref(),
+        cfg.server.insecure,
         Role::Control,
         ": anyone may write",
     )?;
-    let etcd_tls = tokenmesh_certs::tls::etcd::client_paths(tls.as_ref(), &cfg.etcd);
-    let keys = Keys::new(&cfg.etcd_prefix);
-    let store = store::Store::connect(&cfg.etcd, keys.clone(), etcd_tls.as_ref()).await?;
+    let etcd = &cfg.server.etcd;
+    if etcd.is_empty() {
+        return Err(RunError::NoEtcd);
+    }
+    let etcd_tls = tokenmesh_certs::tls::etcd::client_paths(tls.as_ref(), etcd);
+    let keys = cfg.server.keys();
+    let store = store::Store::connect(etcd, keys.clone(), etcd_tls.as_ref()).await?;
     let id = cfg.id();
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let (leading_tx, leading_rx) = tokio::sync::watch::channel(false);
-    let election_client = store::connect_client(&cfg.etcd, etcd_tls.as_ref(), None).await?;
+    let election_client = store::connect_client(etcd, etcd_tls.as_ref(), None).await?;
     let election = tokio::spawn(election::run(
         election_client,
         keys.control_election(),
@@ -84,49 +87,24 @@ pub async fn run(
         Duration::from_secs(cfg.status_window_s.max(1)),
     );
     let service = service::ControlService::new(store, history, cfg.rollout_defaults());
-
-    let (health_reporter, health_service) = tonic_health::server::health_reporter();
-    health_reporter
-        .set_serving::<ControlServer<service::ControlService>>()
-        .await;
-    let (reflection_v1, reflection_v1alpha) = tokenmesh_proto::server_support::reflection();
     let bound = listener.local_addr().map_err(RunError::Listener)?;
-    let routes = tonic::transport::Server::builder()
-        .layer(AuthLayer::new(
-            "control plane",
-            &[Role::Operator, Role::Auditor],
-            tls.is_some(),
-        ))
-        .add_service(health_service)
-        .add_service(reflection_v1)
-        .add_service(reflection_v1alpha)
-        .add_service(ControlServer::new(service));
     let shutdown = async move {
         shutdown.await;
         let _ = stop_tx.send(true);
     };
-    let served = match tls {
-        Some(tls) => {
-            let config = tls.server_config()?;
-            let _watcher = tls.watch(Duration::from_millis(cfg.tls_reload_ms.max(10)));
-            println!("tokenmesh-control {id} ready on {bound} (mTLS)");
-            routes
-                .serve_with_incoming_shutdown(
-                    tokenmesh_certs::tls::server::incoming(listener, config),
-                    shutdown,
-                )
-                .await
-        }
-        None => {
-            println!("tokenmesh-control {id} ready on {bound} (plaintext)");
-            routes
-                .serve_with_incoming_shutdown(
-                    TcpIncoming::from(listener).with_nodelay(Some(true)),
-                    shutdown,
-                )
-                .await
-        }
-    };
+    let served = Server::new(
+        "control plane",
+        &[Role::Operator, Role::Auditor],
+        tls,
+        cfg.server.tls_reload(),
+    )
+    .serve(
+        ControlServer::new(service),
+        listener,
+        format!("tokenmesh-control {id} ready on {bound}"),
+        shutdown,
+    )
+    .await;
     sampler.abort();
     // Resign so that another replica leads at once rather than after the TTL.
     let _ = tokio::time::timeout(Duration::from_secs(3), election).await;

@@ -4,12 +4,13 @@
 //! Reads fall back to the last good snapshot when etcd is unreachable and say
 //! how old it is; writes never fall back (UNAVAILABLE).
 use crate::rollout::RolloutRecord;
-use etcd_client::{Client, Compare, CompareOp, ConnectOptions, GetOptions, Txn, TxnOp};
+use etcd_client::{Client, Compare, CompareOp, GetOptions, Txn, TxnOp};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokenmesh_proto::keys::Keys;
 use tokenmesh_proto::records::{PolicyRecord, StatsRecord, WorkerRecord};
+use tokenmesh_runtime::etcd;
 
 /// Why a store operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -349,17 +350,9 @@ pub async fn connect_client(
     tls: Option<&tokenmesh_certs::tls::TlsPaths>,
     timeout: Option<Duration>,
 ) -> Result<Client, StoreError> {
-    let mut opts = ConnectOptions::new()
-        .with_connect_timeout(Duration::from_secs(2))
-        .with_keep_alive(Duration::from_secs(5), Duration::from_secs(3))
-        .with_keep_alive_while_idle(true);
-    if let Some(t) = timeout {
-        opts = opts.with_timeout(t);
-    }
-    if let Some(paths) = tls {
-        let tls = tokenmesh_certs::tls::etcd::client_tls(paths)
-            .map_err(|e| StoreError::Unavailable(format!("etcd TLS: {e}")))?;
-        opts = opts.with_tls(tls);
-    }
-    Ok(Client::connect(endpoints, Some(opts)).await?)
+    let usage = match timeout {
+        Some(timeout) => etcd::Use::Requests { timeout },
+        None => etcd::Use::Streams,
+    };
+    Ok(etcd::connect(endpoints, tls, usage).await?)
 }

@@ -1,14 +1,13 @@
-//! The tokenmesh wire contract (`tokenmesh.v1`) and the small, boring pieces
-//! that every process shares: the etcd key and record schema and the metadata
-//! header names. No business logic lives here.
+//! The tokenmesh wire contract (`tokenmesh.v1`): generated stubs, the etcd
+//! key and record schema, request validation, the metadata header names and
+//! the status-code table. No business logic and no process plumbing live here
+//! (start-up, flags, etcd connections and telemetry are in tokenmesh-runtime).
 #![forbid(unsafe_code)]
 
 pub mod codes;
 pub mod deadline;
 pub mod keys;
 pub mod records;
-pub mod server_support;
-pub mod telemetry;
 pub mod validate;
 
 /// Generated protobuf messages and gRPC stubs for `tokenmesh.v1`.

@@ -1,29 +1,25 @@
 //! Command-line configuration of `tokenmesh-router`.
 use clap::Parser;
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
+use tokenmesh_runtime::{ServerArgs, ServerDefaults};
 
-/// The tokenmesh router: one gRPC endpoint in front of every worker.
+/// The router's defaults for the shared server flags.
+#[derive(Clone, Debug)]
+pub struct RouterDefaults;
+
+impl ServerDefaults for RouterDefaults {
+    const LISTEN: &'static str = "0.0.0.0:50051";
+}
+
+/// The tokenmesh router: one gRPC endpoint in front of every worker. With
+/// --tls-dir (router.pem, router.key), clients need a client or operator
+/// certificate and workers must present their worker_id's certificate.
 #[derive(Parser, Clone, Debug)]
 #[command(name = "tokenmesh-router", version)]
 pub struct RouterConfig {
-    /// Address to serve gRPC on.
-    #[arg(long, env = "TOKENMESH_LISTEN", default_value = "0.0.0.0:50051")]
-    pub listen: SocketAddr,
-
-    /// etcd endpoints, comma-separated (discovery by watch).
-    #[arg(
-        long,
-        env = "TOKENMESH_ETCD",
-        value_delimiter = ',',
-        conflicts_with = "static_file"
-    )]
-    pub etcd: Vec<String>,
-
-    /// Prefix of every etcd key.
-    #[arg(long, env = "TOKENMESH_ETCD_PREFIX", default_value = "/tokenmesh")]
-    pub etcd_prefix: String,
+    #[command(flatten)]
+    pub server: ServerArgs<RouterDefaults>,
 
     /// This router's id in etcd: its stats are published under
     /// `stats/{router_id}/{model}/{version}` (default: <hostname>-<pid>).
@@ -40,25 +36,15 @@ pub struct RouterConfig {
     )]
     pub stats_interval_ms: u64,
 
-    /// Static discovery: a TOML file listing workers and traffic policies.
-    #[arg(long = "static", env = "TOKENMESH_STATIC", value_name = "FILE")]
+    /// Static discovery: a TOML file listing workers and traffic policies
+    /// (instead of --etcd).
+    #[arg(
+        long = "static",
+        env = "TOKENMESH_STATIC",
+        value_name = "FILE",
+        conflicts_with = "etcd"
+    )]
     pub static_file: Option<PathBuf>,
-
-    /// Serve and dial plaintext gRPC, with no identities (development only).
-    /// Required when no --tls-dir is given.
-    #[arg(long, env = "TOKENMESH_INSECURE", conflicts_with = "tls_dir")]
-    pub insecure: bool,
-
-    /// Directory with ca.pem, router.pem and router.key (as tokenmesh-certs
-    /// writes them) for mutual TLS: clients need a client or operator
-    /// certificate, workers must present their worker_id's certificate.
-    #[arg(long, env = "TOKENMESH_TLS_DIR")]
-    pub tls_dir: Option<PathBuf>,
-
-    /// How often router.pem and router.key are checked for replacement, in
-    /// milliseconds; a valid replacement serves new connections at once.
-    #[arg(long, env = "TOKENMESH_TLS_RELOAD_MS", default_value_t = 2_000)]
-    pub tls_reload_ms: u64,
 
     /// HTTP/2 keepalive ping interval to workers, in milliseconds.
     #[arg(
@@ -128,9 +114,6 @@ pub struct RouterConfig {
         default_value_t = 300
     )]
     pub max_connection_age_grace_s: u64,
-
-    #[command(flatten)]
-    pub telemetry: tokenmesh_proto::telemetry::TelemetryArgs,
 }
 
 impl RouterConfig {
@@ -155,11 +138,6 @@ impl RouterConfig {
             max_queued: self.max_queued,
             max_queue_wait: Duration::from_millis(self.max_queue_wait_ms),
         }
-    }
-
-    /// How often the certificate files are polled.
-    pub fn tls_reload(&self) -> Duration {
-        Duration::from_millis(self.tls_reload_ms.max(10))
     }
 
     /// Channel settings for worker connections.

@@ -17,26 +17,24 @@ use config::RouterConfig;
 use registry::Registry;
 use server::{InferenceService, RoutingSettings};
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
-use tokenmesh_certs::tls::{AuthLayer, Role};
-use tokenmesh_proto::keys::Keys;
+use tokenmesh_certs::tls::Role;
 use tokenmesh_proto::v1::inference_server::InferenceServer;
+use tokenmesh_runtime::Server;
 use tokio::net::TcpListener;
-use tonic::transport::server::TcpIncoming;
 
 /// Why the router could not start or stopped abnormally.
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
     #[error(transparent)]
     Transport(#[from] tokenmesh_certs::tls::TransportError),
-    #[error("--tls-dir: {0}")]
-    Tls(#[from] tokenmesh_certs::tls::TlsError),
     #[error("choose discovery: --etcd URL[,URL...] or --static FILE")]
     NoDiscovery,
     #[error(transparent)]
     Discovery(#[from] discovery::DiscoveryError),
-    #[error("gRPC server: {0}")]
-    Serve(#[from] tonic::transport::Error),
+    #[error(transparent)]
+    Serve(#[from] tokenmesh_runtime::ServeError),
     #[error("listener: {0}")]
     Listener(std::io::Error),
     #[error("--router-id {0:?}: must be non-empty and contain no '/'")]
@@ -50,43 +48,14 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), RunError> {
     let tls = tokenmesh_certs::tls::server_transport(
-        cfg.tls_dir.as_deref(),
-        cfg.insecure,
+        cfg.server.tls_dir.as_deref(),
+        cfg.server.insecure,
         Role::Router,
         ", also to workers",
     )?;
     let registry = Registry::new(cfg.channel(), tls.clone());
     let (stop_stats, stats_stopped) = tokio::sync::watch::channel(false);
-    let mut publisher = None;
-    if let Some(path) = &cfg.static_file {
-        discovery::static_file::load(path, &registry)?;
-    } else if !cfg.etcd.is_empty() {
-        let router_id = cfg.router_id();
-        if router_id.is_empty() || router_id.contains('/') {
-            return Err(RunError::RouterId(router_id));
-        }
-        let etcd_tls = tokenmesh_certs::tls::etcd::client_paths(tls.as_ref(), &cfg.etcd);
-        tokio::spawn(discovery::etcd::run(
-            cfg.etcd.clone(),
-            Keys::new(&cfg.etcd_prefix),
-            registry.clone(),
-            etcd_tls.clone(),
-        ));
-        publisher = Some(tokio::spawn(stats::publish::run(
-            stats::publish::PublishConfig {
-                endpoints: cfg.etcd.clone(),
-                keys: Keys::new(&cfg.etcd_prefix),
-                router_id,
-                interval: Duration::from_millis(cfg.stats_interval_ms),
-                tls: etcd_tls,
-            },
-            registry.stats().clone(),
-            registry.clone(),
-            stats_stopped,
-        )));
-    } else {
-        return Err(RunError::NoDiscovery);
-    }
+    let publisher = start_discovery(&cfg, &registry, tls.as_ref(), stats_stopped)?;
     // The stats are withdrawn as soon as shutdown begins; streams in flight
     // still finish.
     let shutdown = async move {
@@ -101,57 +70,77 @@ pub async fn run(
             max_failovers: cfg.max_failovers,
         },
     );
-    let (health_reporter, health_service) = tonic_health::server::health_reporter();
-    health_reporter
-        .set_serving::<InferenceServer<InferenceService>>()
-        .await;
-    let (reflection_v1, reflection_v1alpha) = tokenmesh_proto::server_support::reflection();
     let bound = listener.local_addr().map_err(RunError::Listener)?;
-    let keepalive = Duration::from_millis(cfg.server_keepalive_interval_ms);
-    let mut server = tonic::transport::Server::builder()
-        .http2_keepalive_interval(Some(keepalive))
-        .http2_keepalive_timeout(Some(Duration::from_millis(cfg.keepalive_timeout_ms)));
-    if cfg.max_connection_age_s > 0 {
-        server = server
+    Server::new(
+        "router",
+        &[Role::Client, Role::Operator],
+        tls,
+        cfg.server.tls_reload(),
+    )
+    .configure(|server| {
+        let server = server
+            .http2_keepalive_interval(Some(Duration::from_millis(
+                cfg.server_keepalive_interval_ms,
+            )))
+            .http2_keepalive_timeout(Some(Duration::from_millis(cfg.keepalive_timeout_ms)));
+        if cfg.max_connection_age_s == 0 {
+            return server;
+        }
+        server
             .max_connection_age(Duration::from_secs(cfg.max_connection_age_s))
-            .max_connection_age_grace(Duration::from_secs(cfg.max_connection_age_grace_s));
-    }
-    let routes = server
-        .layer(AuthLayer::new(
-            "router",
-            &[Role::Client, Role::Operator],
-            tls.is_some(),
-        ))
-        .add_service(health_service)
-        .add_service(reflection_v1)
-        .add_service(reflection_v1alpha)
-        .add_service(InferenceServer::new(service));
-    match tls {
-        Some(tls) => {
-            let config = tls.server_config()?;
-            let _watcher = tls.watch(cfg.tls_reload());
-            println!("tokenmesh-router ready on {bound} (mTLS)");
-            routes
-                .serve_with_incoming_shutdown(
-                    tokenmesh_certs::tls::server::incoming(listener, config),
-                    shutdown,
-                )
-                .await?;
-        }
-        None => {
-            println!("tokenmesh-router ready on {bound} (plaintext)");
-            routes
-                .serve_with_incoming_shutdown(
-                    // Without TCP_NODELAY small HTTP/2 frames wait on Nagle.
-                    TcpIncoming::from(listener).with_nodelay(Some(true)),
-                    shutdown,
-                )
-                .await?;
-        }
-    }
+            .max_connection_age_grace(Duration::from_secs(cfg.max_connection_age_grace_s))
+    })
+    .serve(
+        InferenceServer::new(service),
+        listener,
+        format!("tokenmesh-router ready on {bound}"),
+        shutdown,
+    )
+    .await?;
     if let Some(publisher) = publisher {
         // Let the lease revocation reach etcd before the process exits.
         let _ = tokio::time::timeout(Duration::from_secs(3), publisher).await;
     }
     Ok(())
+}
+
+/// Fills the registry from the static file, or from etcd with a watch (and
+/// then also publishes this router's stats there, until `stop`).
+fn start_discovery(
+    cfg: &RouterConfig,
+    registry: &Arc<Registry>,
+    tls: Option<&tokenmesh_certs::tls::MeshTls>,
+    stop: tokio::sync::watch::Receiver<bool>,
+) -> Result<Option<tokio::task::JoinHandle<()>>, RunError> {
+    if let Some(path) = &cfg.static_file {
+        discovery::static_file::load(path, registry)?;
+        return Ok(None);
+    }
+    let etcd = &cfg.server.etcd;
+    if etcd.is_empty() {
+        return Err(RunError::NoDiscovery);
+    }
+    let router_id = cfg.router_id();
+    if router_id.is_empty() || router_id.contains('/') {
+        return Err(RunError::RouterId(router_id));
+    }
+    let etcd_tls = tokenmesh_certs::tls::etcd::client_paths(tls, etcd);
+    tokio::spawn(discovery::etcd::run(
+        etcd.clone(),
+        cfg.server.keys(),
+        registry.clone(),
+        etcd_tls.clone(),
+    ));
+    Ok(Some(tokio::spawn(stats::publish::run(
+        stats::publish::PublishConfig {
+            endpoints: etcd.clone(),
+            keys: cfg.server.keys(),
+            router_id,
+            interval: Duration::from_millis(cfg.stats_interval_ms),
+            tls: etcd_tls,
+        },
+        registry.stats().clone(),
+        registry.clone(),
+        stop,
+    ))))
 }

@@ -14,10 +14,10 @@ use crate::registry::{InFlight, Registry};
 use crate::stats::Attempt;
 use std::sync::Arc;
 use std::time::Instant;
-use tokenmesh_proto::telemetry;
 use tokenmesh_proto::v1::{
     generate_response::Event, Accepted, GenerateRequest, GenerateResponse, WorkerGenerateRequest,
 };
+use tokenmesh_runtime::telemetry;
 use tokio::sync::mpsc;
 use tonic::{Status, Streaming};
 

@@ -8,13 +8,13 @@ use std::sync::Arc;
 use std::time::Instant;
 use tokenmesh_proto::codes::code_name;
 use tokenmesh_proto::headers;
-use tokenmesh_proto::telemetry;
 use tokenmesh_proto::v1::inference_server::Inference;
 use tokenmesh_proto::v1::{
     Accepted, GenerateRequest, GenerateResponse, ListModelsRequest, ListModelsResponse, ModelInfo,
     VersionInfo,
 };
 use tokenmesh_proto::validate::check_request;
+use tokenmesh_runtime::telemetry;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::metadata::MetadataMap;

@@ -3,42 +3,34 @@ use clap::Parser;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
+use tokenmesh_runtime::{ServerArgs, ServerDefaults};
+
+/// The worker's defaults for the shared server flags.
+#[derive(Clone, Debug)]
+pub struct WorkerDefaults;
+
+impl ServerDefaults for WorkerDefaults {
+    const LISTEN: &'static str = "0.0.0.0:50061";
+}
 
 /// A tokenmesh worker: runs one GGUF model and streams tokens to routers.
+/// With --tls-dir (worker.pem, worker.key) only routers may call, and the
+/// certificate's name is this worker's id (--worker-id defaults to it).
+/// Without --etcd it runs standalone, unregistered.
 #[derive(Parser, Clone, Debug)]
 #[command(name = "tokenmesh-worker", version)]
 pub struct WorkerConfig {
-    /// Address to serve gRPC on.
-    #[arg(long, env = "TOKENMESH_LISTEN", default_value = "0.0.0.0:50061")]
-    pub listen: SocketAddr,
+    #[command(flatten)]
+    pub server: ServerArgs<WorkerDefaults>,
 
     /// Address routers dial, as registered in etcd (default: the listen
     /// address, with 127.0.0.1 for an unspecified host).
     #[arg(long, env = "TOKENMESH_ADVERTISE")]
     pub advertise: Option<String>,
 
-    /// etcd endpoints, comma-separated. Absent: run standalone, unregistered.
-    #[arg(long, env = "TOKENMESH_ETCD", value_delimiter = ',')]
-    pub etcd: Vec<String>,
-
-    /// Prefix of every etcd key.
-    #[arg(long, env = "TOKENMESH_ETCD_PREFIX", default_value = "/tokenmesh")]
-    pub etcd_prefix: String,
-
     /// Lease TTL of the registration, in seconds.
     #[arg(long, env = "TOKENMESH_LEASE_TTL", default_value_t = 10)]
     pub lease_ttl: u64,
-
-    /// Serve plaintext gRPC, with no identities (development only).
-    /// Required when no --tls-dir is given.
-    #[arg(long, env = "TOKENMESH_INSECURE", conflicts_with = "tls_dir")]
-    pub insecure: bool,
-
-    /// Directory with ca.pem, worker.pem and worker.key (as tokenmesh-certs
-    /// writes them) for mutual TLS: only routers may call; the certificate's
-    /// name is this worker's id (--worker-id defaults to it).
-    #[arg(long, env = "TOKENMESH_TLS_DIR")]
-    pub tls_dir: Option<PathBuf>,
 
     /// Engine: `model` runs the GGUF model; `synthetic` loads no model and
     /// emits deterministic words at --synthetic-tokens-per-sec per sequence,
@@ -76,11 +68,6 @@ pub struct WorkerConfig {
         value_parser = clap::value_parser!(u64).range(0..=3_600_000)
     )]
     pub synthetic_first_token_delay_ms: Option<u64>,
-
-    /// How often worker.pem and worker.key are checked for replacement, in
-    /// milliseconds; a valid replacement serves new connections at once.
-    #[arg(long, env = "TOKENMESH_TLS_RELOAD_MS", default_value_t = 2_000)]
-    pub tls_reload_ms: u64,
 
     /// GGUF model file, or `default` for the cached SmolLM2-135M-Instruct.
     #[arg(long, env = "TOKENMESH_MODEL", default_value = "default")]
@@ -161,9 +148,6 @@ pub struct WorkerConfig {
     /// (refusing new requests) instead of exiting once in-flight streams end.
     #[arg(long, env = "TOKENMESH_STAY_DRAINED")]
     pub stay_drained: bool,
-
-    #[command(flatten)]
-    pub telemetry: tokenmesh_proto::telemetry::TelemetryArgs,
 }
 
 /// A number in 0..=1.

@@ -3,10 +3,12 @@
 //! watches it from start-up (a key written before the worker started counts
 //! too); when it appears the worker drains as on SIGTERM. The key lives until
 //! the worker is gone: the worker deletes it on its way out.
-use crate::registration::connect;
+use crate::registration::REQUESTS;
 use etcd_client::{EventType, WatchOptions};
 use std::time::Duration;
 use tokenmesh_certs::tls::TlsPaths;
+use tokenmesh_runtime::etcd;
+use tokenmesh_runtime::Backoff;
 
 /// Which key to watch, where.
 #[derive(Clone, Debug)]
@@ -21,7 +23,7 @@ impl DrainKey {
     /// Resolves with the key's value (the reason) once the key exists;
     /// reconnects on its own while etcd is away.
     pub async fn requested(&self) -> String {
-        let mut backoff = Duration::from_millis(200);
+        let mut backoff = Backoff::reconnect();
         loop {
             match self.wait_once().await {
                 Ok(reason) => return reason,
@@ -29,14 +31,14 @@ impl DrainKey {
                     tracing::warn!(error = %e, key = %self.key, "watching the drain key failed; retrying")
                 }
             }
-            tokio::time::sleep(backoff).await;
-            backoff = (backoff * 2).min(Duration::from_secs(5));
+            tokio::time::sleep(backoff.next_delay()).await;
         }
     }
 
     /// Reads the key, then watches it from the next revision.
     async fn wait_once(&self) -> Result<String, etcd_client::Error> {
-        let mut client = connect(&self.endpoints, self.tls.as_ref(), false).await?;
+        let mut client =
+            etcd::connect(&self.endpoints, self.tls.as_ref(), etcd::Use::Streams).await?;
         let now = client.get(self.key.as_str(), None).await?;
         if let Some(kv) = now.kvs().first() {
             return Ok(kv.value_str()?.to_string());
@@ -67,7 +69,7 @@ impl DrainKey {
     /// worker that could not).
     pub async fn remove(&self) {
         let deleted = async {
-            let mut client = connect(&self.endpoints, self.tls.as_ref(), true).await?;
+            let mut client = etcd::connect(&self.endpoints, self.tls.as_ref(), REQUESTS).await?;
             client.delete(self.key.as_str(), None).await
         };
         match tokio::time::timeout(Duration::from_secs(5), deleted).await {

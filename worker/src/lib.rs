@@ -7,6 +7,7 @@
 
 pub mod accelerator;
 pub mod config;
+pub mod drain;
 pub mod drain_key;
 pub mod engine;
 pub mod errors;
@@ -22,24 +23,20 @@ use engine::LoadedModel;
 use scheduler::{EngineHandle, SchedulerConfig};
 use server::{WorkerIdentity, WorkerService};
 use std::future::Future;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokenmesh_certs::tls::{AuthLayer, Role};
-use tokenmesh_proto::keys::Keys;
+use tokenmesh_certs::tls::{MeshTls, Role};
 use tokenmesh_proto::records::WorkerRecord;
 use tokenmesh_proto::v1::worker_server::WorkerServer;
+use tokenmesh_runtime::Server;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
-use tonic::transport::server::TcpIncoming;
 
 /// Why the worker could not start or stopped abnormally.
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
     #[error(transparent)]
     Transport(#[from] tokenmesh_certs::tls::TransportError),
-    #[error("--tls-dir: {0}")]
-    Tls(#[from] tokenmesh_certs::tls::TlsError),
     #[error("--worker-id {flag} differs from the name in the worker certificate ({cert}); routers would refuse this worker")]
     IdMismatch { flag: String, cert: String },
     #[error("--synthetic-tokens-per-sec {0}: must be a positive number")]
@@ -54,8 +51,8 @@ pub enum RunError {
     Fetch(#[from] model_cache::FetchError),
     #[error(transparent)]
     Load(#[from] engine::LoadError),
-    #[error("gRPC server: {0}")]
-    Serve(#[from] tonic::transport::Error),
+    #[error(transparent)]
+    Serve(#[from] tokenmesh_runtime::ServeError),
     #[error("listener: {0}")]
     Listener(std::io::Error),
     #[error("model loading was interrupted: {0}")]
@@ -203,25 +200,12 @@ pub async fn run(
     // Certificates are checked before the model loads, so a bad file fails
     // fast with its name in the error.
     let tls = tokenmesh_certs::tls::server_transport(
-        cfg.tls_dir.as_deref(),
-        cfg.insecure,
+        cfg.server.tls_dir.as_deref(),
+        cfg.server.insecure,
         Role::Worker,
         "",
     )?;
-    if let Some(tls) = &tls {
-        let name = tls.store.identity().name;
-        if let Some(flag) = cfg.worker_id.as_ref().filter(|f| **f != name) {
-            return Err(RunError::IdMismatch {
-                flag: flag.clone(),
-                cert: name,
-            });
-        }
-    }
-    let worker_id = cfg
-        .worker_id
-        .clone()
-        .or_else(|| tls.as_ref().map(|t| t.store.identity().name))
-        .unwrap_or_else(|| format!("worker-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]));
+    let worker_id = worker_id(&cfg, tls.as_ref())?;
     let started = start_engine(&cfg, &worker_id).await?;
     let identity = WorkerIdentity {
         worker_id,
@@ -232,20 +216,7 @@ pub async fn run(
         capacity: cfg.max_batch as u32,
     };
     if let Some(accel) = started.accel.filter(|a| a.memory().is_some()) {
-        let labels = [
-            ("worker", identity.worker_id.clone()),
-            ("device", cfg.device.clone()),
-        ];
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_secs(5));
-            loop {
-                tick.tick().await;
-                if let Some((used, total)) = accel.memory() {
-                    metrics::gauge!("gpu_memory_used_bytes", &labels).set(used as f64);
-                    metrics::gauge!("gpu_memory_total_bytes", &labels).set(total as f64);
-                }
-            }
-        });
+        spawn_memory_gauges(accel, &identity.worker_id, &cfg.device);
     }
     let engine = started.engine;
     let service = WorkerService::new(
@@ -254,128 +225,109 @@ pub async fn run(
         identity.clone(),
         cfg.default_max_tokens,
     );
-
-    let (health_reporter, health_service) = tonic_health::server::health_reporter();
-    health_reporter
-        .set_serving::<WorkerServer<WorkerService>>()
-        .await;
-    let (reflection_v1, reflection_v1alpha) = tokenmesh_proto::server_support::reflection();
-
     let bound = listener.local_addr().map_err(RunError::Listener)?;
+    let etcd_tls = tokenmesh_certs::tls::etcd::client_paths(tls.as_ref(), &cfg.server.etcd);
+    let server = Server::new("worker", &[Role::Router], tls, cfg.server.tls_reload());
     let (deregister_tx, deregister_rx) = watch::channel(false);
-    let etcd_tls = tokenmesh_certs::tls::etcd::client_paths(tls.as_ref(), &cfg.etcd);
-    let drain_key = (!cfg.etcd.is_empty()).then(|| drain_key::DrainKey {
-        endpoints: cfg.etcd.clone(),
-        key: Keys::new(&cfg.etcd_prefix).drain(&identity.worker_id),
-        tls: etcd_tls.clone(),
-    });
-    let registration = if cfg.etcd.is_empty() {
-        None
-    } else {
-        let keys = Keys::new(&cfg.etcd_prefix);
-        let record = WorkerRecord {
-            addr: cfg.advertised_addr(bound),
-            model_digest: started.digest,
-            accelerator: identity.accelerator.clone(),
-            device: identity.device.clone(),
-            capacity: identity.capacity,
-            labels: Default::default(),
-            started_at: time::OffsetDateTime::now_utc()
-                .format(&time::format_description::well_known::Rfc3339)
-                .unwrap_or_default(),
-        };
-        let reg = registration::RegistrationConfig {
-            endpoints: cfg.etcd.clone(),
-            key: keys.worker(&identity.model_name, &identity.version, &identity.worker_id),
-            value: serde_json::to_string(&record).expect("a WorkerRecord serializes"),
-            ttl: cfg.lease_ttl(),
-            tls: etcd_tls,
-        };
-        Some(tokio::spawn(registration::run(reg, deregister_rx)))
-    };
-
+    let registration = registration_of(&cfg, &identity, &started.digest, bound, etcd_tls.clone())
+        .map(|reg| tokio::spawn(registration::run(reg, deregister_rx)));
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let drain_timeout = Duration::from_secs(cfg.drain_timeout);
-    let stats = engine.stats().clone();
-    let drain_reporter = health_reporter.clone();
-    let stay_drained = cfg.stay_drained;
-    let drainer = tokio::spawn(async move {
-        let mut shutdown = Box::pin(shutdown);
-        let by_key = match &drain_key {
-            Some(key) => tokio::select! {
-                _ = &mut shutdown => false,
-                reason = key.requested() => {
-                    tracing::info!(key = %key.key, reason = %reason, "drain requested through etcd");
-                    true
-                }
-            },
-            None => {
-                (&mut shutdown).await;
-                false
-            }
-        };
-        tracing::info!("draining: no new requests; finishing in-flight streams");
-        stats.draining.store(true, Ordering::SeqCst);
-        drain_reporter
-            .set_not_serving::<WorkerServer<WorkerService>>()
-            .await;
-        let _ = deregister_tx.send(true);
-        let deadline = Instant::now() + drain_timeout;
-        while (stats.active.load(Ordering::SeqCst) > 0 || stats.queued.load(Ordering::SeqCst) > 0)
-            && Instant::now() < deadline
-        {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        if let Some(reg) = registration {
-            let _ = tokio::time::timeout(Duration::from_secs(3), reg).await;
-        }
-        if by_key {
-            if stay_drained {
-                tracing::info!("drained; staying up until stopped (--stay-drained)");
-                shutdown.await;
-            }
-            if let Some(key) = &drain_key {
-                key.remove().await;
-            }
-        }
-        let _ = stop_tx.send(());
-    });
-
-    println!(
+    let drain = drain::Drain {
+        key: (!cfg.server.etcd.is_empty()).then(|| drain_key::DrainKey {
+            endpoints: cfg.server.etcd.clone(),
+            key: cfg.server.keys().drain(&identity.worker_id),
+            tls: etcd_tls,
+        }),
+        timeout: Duration::from_secs(cfg.drain_timeout),
+        stay_drained: cfg.stay_drained,
+        stats: engine.stats().clone(),
+        health: server.health(),
+        deregister: deregister_tx,
+        registration,
+    };
+    let drainer = tokio::spawn(drain.run(shutdown, stop_tx));
+    let ready = format!(
         "tokenmesh-worker ready: {} serving {} {} on {bound}",
         identity.worker_id, identity.model_name, identity.version
     );
-    let routes = tonic::transport::Server::builder()
-        .layer(AuthLayer::new("worker", &[Role::Router], tls.is_some()))
-        .add_service(health_service)
-        .add_service(reflection_v1)
-        .add_service(reflection_v1alpha)
-        .add_service(WorkerServer::new(service));
     let stopped = async {
         let _ = stop_rx.await;
     };
-    match tls {
-        Some(tls) => {
-            let config = tls.server_config()?;
-            let _watcher = tls.watch(Duration::from_millis(cfg.tls_reload_ms.max(10)));
-            routes
-                .serve_with_incoming_shutdown(
-                    tokenmesh_certs::tls::server::incoming(listener, config),
-                    stopped,
-                )
-                .await?
-        }
-        None => {
-            routes
-                .serve_with_incoming_shutdown(
-                    // Without TCP_NODELAY small HTTP/2 frames wait on Nagle.
-                    TcpIncoming::from(listener).with_nodelay(Some(true)),
-                    stopped,
-                )
-                .await?
-        }
-    }
+    server
+        .serve(WorkerServer::new(service), listener, ready, stopped)
+        .await?;
     drainer.abort();
     tracing::info!("worker stopped");
     Ok(())
+}
+
+/// `--worker-id`, else the certificate's name, else a random id; with a
+/// certificate the two must agree, since routers check it.
+fn worker_id(cfg: &WorkerConfig, tls: Option<&MeshTls>) -> Result<String, RunError> {
+    let cert = tls.map(|t| t.store.identity().name);
+    match (&cfg.worker_id, cert) {
+        (Some(flag), Some(cert)) if *flag != cert => Err(RunError::IdMismatch {
+            flag: flag.clone(),
+            cert,
+        }),
+        (Some(flag), _) => Ok(flag.clone()),
+        (None, Some(cert)) => Ok(cert),
+        (None, None) => Ok(format!(
+            "worker-{}",
+            &uuid::Uuid::new_v4().simple().to_string()[..8]
+        )),
+    }
+}
+
+/// Reports the accelerator's memory every 5 s.
+fn spawn_memory_gauges(accel: accelerator::Accelerator, worker_id: &str, device: &str) {
+    let labels = [
+        ("worker", worker_id.to_string()),
+        ("device", device.to_string()),
+    ];
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(5));
+        loop {
+            tick.tick().await;
+            if let Some((used, total)) = accel.memory() {
+                metrics::gauge!("gpu_memory_used_bytes", &labels).set(used as f64);
+                metrics::gauge!("gpu_memory_total_bytes", &labels).set(total as f64);
+            }
+        }
+    });
+}
+
+/// The etcd registration `workers/{model}/{version}/{worker_id}`, if the
+/// worker runs with etcd.
+fn registration_of(
+    cfg: &WorkerConfig,
+    identity: &WorkerIdentity,
+    digest: &str,
+    bound: std::net::SocketAddr,
+    tls: Option<tokenmesh_certs::tls::TlsPaths>,
+) -> Option<registration::RegistrationConfig> {
+    if cfg.server.etcd.is_empty() {
+        return None;
+    }
+    let record = WorkerRecord {
+        addr: cfg.advertised_addr(bound),
+        model_digest: digest.to_string(),
+        accelerator: identity.accelerator.clone(),
+        device: identity.device.clone(),
+        capacity: identity.capacity,
+        labels: Default::default(),
+        started_at: time::OffsetDateTime::now_utc()
+            .format(&time::format_description::well_known::Rfc3339)
+            .unwrap_or_default(),
+    };
+    Some(registration::RegistrationConfig {
+        endpoints: cfg.server.etcd.clone(),
+        key: cfg
+            .server
+            .keys()
+            .worker(&identity.model_name, &identity.version, &identity.worker_id),
+        value: serde_json::to_string(&record).expect("a WorkerRecord serializes"),
+        ttl: cfg.lease_ttl(),
+        tls,
+    })
 }

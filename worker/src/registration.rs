@@ -5,8 +5,11 @@
 //! comes back the worker grants a new lease and registers again. On shutdown
 //! the key is deleted and the lease revoked at once, so routers stop choosing
 //! the worker before it stops serving.
-use etcd_client::{Client, ConnectOptions, PutOptions};
+use etcd_client::PutOptions;
 use std::time::Duration;
+use tokenmesh_runtime::etcd;
+use tokenmesh_runtime::lease::KeptLease;
+use tokenmesh_runtime::Backoff;
 use tokio::sync::watch;
 
 /// Where and how to register.
@@ -26,7 +29,7 @@ pub async fn run(cfg: RegistrationConfig, mut shutdown: watch::Receiver<bool>) {
     if cfg.endpoints.is_empty() {
         return;
     }
-    let mut backoff = Duration::from_millis(200);
+    let mut backoff = Backoff::reconnect();
     // Each attempt talks to one endpoint, the next one after a failure: a
     // client over the whole list kept picking a stopped etcd node (seen in
     // the compose cluster test) until the lease had lapsed.
@@ -43,13 +46,11 @@ pub async fn run(cfg: RegistrationConfig, mut shutdown: watch::Receiver<bool>) {
             }
         }
         if registered {
-            backoff = Duration::from_millis(200);
+            backoff.reset();
         }
-        tokio::select! {
-            _ = tokio::time::sleep(backoff) => {}
-            _ = shutdown.changed() => return,
+        if !backoff.wait(&mut shutdown).await {
+            return;
         }
-        backoff = (backoff * 2).min(Duration::from_secs(5));
     }
 }
 
@@ -60,39 +61,25 @@ async fn register_once(
     registered: &mut bool,
     shutdown: &mut watch::Receiver<bool>,
 ) -> Result<(), etcd_client::Error> {
-    let mut client = connect(&[endpoint.to_string()], cfg.tls.as_ref(), true).await?;
-    let ttl = cfg.ttl.as_secs().max(1) as i64;
-    let lease = client.lease_grant(ttl, None).await?.id();
+    let mut client = etcd::connect(&[endpoint.to_string()], cfg.tls.as_ref(), REQUESTS).await?;
+    let mut lease = KeptLease::grant(&client, cfg.ttl).await?;
     client
         .put(
             cfg.key.as_str(),
             cfg.value.as_str(),
-            Some(PutOptions::new().with_lease(lease)),
+            Some(PutOptions::new().with_lease(lease.id())),
         )
         .await?;
-    tracing::info!(key = %cfg.key, lease, ttl, endpoint, "registered in etcd");
+    tracing::info!(key = %cfg.key, lease = lease.id(), ttl = cfg.ttl.as_secs(), endpoint, "registered in etcd");
     *registered = true;
-    let (mut keeper, mut responses) = client.lease_keep_alive(lease).await?;
-    let mut tick = tokio::time::interval(cfg.ttl / 3);
-    tick.tick().await;
     loop {
         tokio::select! {
-            _ = tick.tick() => {
-                keeper.keep_alive().await?;
-                match responses.message().await? {
-                    Some(r) if r.ttl() > 0 => {}
-                    _ => {
-                        return Err(etcd_client::Error::LeaseKeepAliveError(
-                            "lease expired".into(),
-                        ))
-                    }
-                }
-            }
+            _ = lease.due() => lease.renew().await?,
             _ = shutdown.changed() => {
                 if *shutdown.borrow() {
                     // Best effort: if etcd is away the lease expires anyway.
                     let _ = client.delete(cfg.key.as_str(), None).await;
-                    let _ = client.lease_revoke(lease).await;
+                    lease.revoke().await;
                     tracing::info!(key = %cfg.key, "deregistered from etcd");
                     return Ok(());
                 }
@@ -101,24 +88,8 @@ async fn register_once(
     }
 }
 
-/// A client of the worker's etcd; with `tls`, mutual TLS. `request_timeout`
-/// bounds each unary request (not for watches, which stay open).
-pub(crate) async fn connect(
-    endpoints: &[String],
-    tls: Option<&tokenmesh_certs::tls::TlsPaths>,
-    request_timeout: bool,
-) -> Result<Client, etcd_client::Error> {
-    let mut opts = ConnectOptions::new().with_connect_timeout(Duration::from_secs(2));
-    opts = if request_timeout {
-        opts.with_timeout(Duration::from_secs(3))
-    } else {
-        opts.with_keep_alive(Duration::from_secs(5), Duration::from_secs(3))
-            .with_keep_alive_while_idle(true)
-    };
-    if let Some(paths) = tls {
-        let tls = tokenmesh_certs::tls::etcd::client_tls(paths)
-            .map_err(|e| etcd_client::Error::InvalidArgs(e.to_string()))?;
-        opts = opts.with_tls(tls);
-    }
-    Client::connect(endpoints, Some(opts)).await
-}
+/// The worker's unary etcd requests: each bounded, so a stopped node cannot
+/// hold the registration past its lease.
+pub(crate) const REQUESTS: etcd::Use = etcd::Use::Requests {
+    timeout: Duration::from_secs(3),
+};

@@ -89,7 +89,7 @@ impl Worker for WorkerService {
             trace_id = tracing::field::Empty,
             error = tracing::field::Empty,
         );
-        tokenmesh_proto::telemetry::adopt_parent(&span, request.metadata());
+        tokenmesh_runtime::telemetry::adopt_parent(&span, request.metadata());
         let req = request.into_inner();
         let labels = self.labels();
         let prepared = prepare(

@@ -3,13 +3,14 @@
 //! missed. If etcd goes away the registry keeps the last known state; on
 //! reconnection everything is read again and stale entries are dropped.
 use crate::registry::Registry;
-use etcd_client::{Client, ConnectOptions, EventType, GetOptions, WatchOptions};
+use etcd_client::{EventType, GetOptions, WatchOptions};
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::time::Duration;
 use tokenmesh_certs::tls::TlsPaths;
 use tokenmesh_proto::keys::Keys;
 use tokenmesh_proto::records::{PolicyRecord, WorkerRecord};
+use tokenmesh_runtime::etcd;
+use tokenmesh_runtime::Backoff;
 
 /// Runs discovery forever. With `tls`, connects to etcd with mutual TLS.
 pub async fn run(
@@ -18,34 +19,16 @@ pub async fn run(
     registry: Arc<Registry>,
     tls: Option<TlsPaths>,
 ) {
-    let mut backoff = Duration::from_millis(200);
+    let mut backoff = Backoff::reconnect();
     loop {
         match sync_and_watch(&endpoints, &keys, &registry, tls.as_ref()).await {
-            Ok(()) => backoff = Duration::from_millis(200),
+            Ok(()) => backoff.reset(),
             Err(e) => {
                 tracing::warn!(error = %e, "etcd discovery interrupted; keeping the last known state");
             }
         }
-        tokio::time::sleep(backoff).await;
-        backoff = (backoff * 2).min(Duration::from_secs(5));
+        tokio::time::sleep(backoff.next_delay()).await;
     }
-}
-
-/// A client of the router's etcd, with keepalive; with `tls`, mutual TLS.
-pub async fn connect(
-    endpoints: &[String],
-    tls: Option<&TlsPaths>,
-) -> Result<Client, etcd_client::Error> {
-    let mut opts = ConnectOptions::new()
-        .with_connect_timeout(Duration::from_secs(2))
-        .with_keep_alive(Duration::from_secs(5), Duration::from_secs(3))
-        .with_keep_alive_while_idle(true);
-    if let Some(paths) = tls {
-        let tls = tokenmesh_certs::tls::etcd::client_tls(paths)
-            .map_err(|e| etcd_client::Error::InvalidArgs(e.to_string()))?;
-        opts = opts.with_tls(tls);
-    }
-    Client::connect(endpoints, Some(opts)).await
 }
 
 async fn sync_and_watch(
@@ -54,7 +37,7 @@ async fn sync_and_watch(
     registry: &Registry,
     tls: Option<&TlsPaths>,
 ) -> Result<(), etcd_client::Error> {
-    let mut client = connect(endpoints, tls).await?;
+    let mut client = etcd::connect(endpoints, tls, etcd::Use::Streams).await?;
 
     let workers = client
         .get(keys.workers_prefix(), Some(GetOptions::new().with_prefix()))

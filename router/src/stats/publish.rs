@@ -11,6 +11,9 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokenmesh_certs::tls::TlsPaths;
 use tokenmesh_proto::keys::Keys;
+use tokenmesh_runtime::etcd;
+use tokenmesh_runtime::lease::KeptLease;
+use tokenmesh_runtime::Backoff;
 use tokio::sync::watch;
 
 /// Lease TTL of the stats keys, like the workers' registrations.
@@ -34,7 +37,7 @@ pub async fn run(
     registry: Arc<Registry>,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    let mut backoff = Duration::from_millis(200);
+    let mut backoff = Backoff::reconnect();
     loop {
         if *shutdown.borrow() {
             return;
@@ -45,11 +48,9 @@ pub async fn run(
                 tracing::warn!(error = %e, router_id = %cfg.router_id, "publishing stats to etcd failed; retrying");
             }
         }
-        tokio::select! {
-            _ = tokio::time::sleep(backoff) => {}
-            _ = shutdown.changed() => return,
+        if !backoff.wait(&mut shutdown).await {
+            return;
         }
-        backoff = (backoff * 2).min(Duration::from_secs(5));
     }
 }
 
@@ -61,39 +62,23 @@ async fn publish_under_lease(
     registry: &Registry,
     shutdown: &mut watch::Receiver<bool>,
 ) -> Result<(), etcd_client::Error> {
-    let mut client = crate::discovery::etcd::connect(&cfg.endpoints, cfg.tls.as_ref()).await?;
-    let lease = client
-        .lease_grant(LEASE_TTL.as_secs() as i64, None)
-        .await?
-        .id();
-    tracing::info!(router_id = %cfg.router_id, lease, "publishing stats to etcd");
-    let (mut keeper, mut responses) = client.lease_keep_alive(lease).await?;
-    let mut keep_alive = tokio::time::interval(LEASE_TTL / 3);
-    keep_alive.tick().await;
+    let mut client = etcd::connect(&cfg.endpoints, cfg.tls.as_ref(), etcd::Use::Streams).await?;
+    let mut lease = KeptLease::grant(&client, LEASE_TTL).await?;
+    tracing::info!(router_id = %cfg.router_id, lease = lease.id(), "publishing stats to etcd");
     let mut publish = tokio::time::interval(cfg.interval);
     publish.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut written: HashSet<String> = HashSet::new();
     loop {
         tokio::select! {
             _ = publish.tick() => {
-                written = put_snapshot(&mut client, cfg, stats, registry, lease, &written).await?;
+                written = put_snapshot(&mut client, cfg, stats, registry, lease.id(), &written).await?;
             }
-            _ = keep_alive.tick() => {
-                keeper.keep_alive().await?;
-                match responses.message().await? {
-                    Some(r) if r.ttl() > 0 => {}
-                    _ => {
-                        return Err(etcd_client::Error::LeaseKeepAliveError(
-                            "lease expired".into(),
-                        ))
-                    }
-                }
-            }
+            _ = lease.due() => lease.renew().await?,
             _ = shutdown.changed() => {
                 if *shutdown.borrow() {
                     // Revoking deletes every key under the lease; if etcd is
                     // away they expire with it anyway.
-                    let _ = client.lease_revoke(lease).await;
+                    lease.revoke().await;
                     tracing::info!(router_id = %cfg.router_id, "stats withdrawn from etcd");
                     return Ok(());
                 }

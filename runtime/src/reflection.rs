@@ -1,4 +1,4 @@
-//! Pieces every tokenmesh server mounts the same way.
+//! gRPC server reflection, as every tokenmesh server mounts it.
 use tonic_reflection::server::{v1, v1alpha, Builder};
 
 /// gRPC server reflection over the tokenmesh and health services, in both
@@ -9,7 +9,7 @@ pub fn reflection() -> (
 ) {
     let builder = || {
         Builder::configure()
-            .register_encoded_file_descriptor_set(crate::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tokenmesh_proto::FILE_DESCRIPTOR_SET)
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
     };
     (
@@ -20,22 +20,4 @@ pub fn reflection() -> (
             .build_v1alpha()
             .expect("the embedded descriptor sets are valid"),
     )
-}
-
-/// Resolves on SIGTERM or Ctrl-C: what a server's `main` passes as its
-/// shutdown signal.
-pub async fn shutdown_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    match signal(SignalKind::terminate()) {
-        Ok(mut term) => {
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = tokio::signal::ctrl_c() => {}
-            }
-        }
-        // Without a SIGTERM handler, Ctrl-C still stops the server.
-        Err(_) => {
-            let _ = tokio::signal::ctrl_c().await;
-        }
-    }
 }

@@ -1,0 +1,112 @@
+//! The flags every server binary takes (DESIGN.md, "Command-line
+//! conventions"), declared once and flattened into each binary's config with
+//! that binary's defaults.
+use crate::telemetry::TelemetryArgs;
+use std::fmt::Debug;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+use tokenmesh_proto::keys::Keys;
+
+/// A binary's own defaults for the shared flags.
+pub trait ServerDefaults: Clone + Debug + Send + Sync + 'static {
+    /// `--listen` when not given (DESIGN.md's port for this process).
+    const LISTEN: &'static str;
+}
+
+/// `--listen`, `--etcd`, `--etcd-prefix`, `--tls-dir`, `--insecure`,
+/// `--tls-reload-ms` and the telemetry flags (`--log`, `--log-format`,
+/// `--otlp-endpoint`, `--metrics-listen`).
+#[derive(clap::Args, Clone, Debug)]
+pub struct ServerArgs<D: ServerDefaults> {
+    /// Address to serve gRPC on.
+    #[arg(long, env = "TOKENMESH_LISTEN", default_value = D::LISTEN)]
+    pub listen: SocketAddr,
+
+    /// etcd endpoints, comma-separated (`https://` ones are dialled with this
+    /// process's mesh certificate).
+    #[arg(long, env = "TOKENMESH_ETCD", value_delimiter = ',')]
+    pub etcd: Vec<String>,
+
+    /// Prefix of every etcd key.
+    #[arg(long, env = "TOKENMESH_ETCD_PREFIX", default_value = "/tokenmesh")]
+    pub etcd_prefix: String,
+
+    /// Serve (and dial) plaintext gRPC with no identities, development only;
+    /// warns at start. Required when no --tls-dir is given.
+    #[arg(long, env = "TOKENMESH_INSECURE", conflicts_with = "tls_dir")]
+    pub insecure: bool,
+
+    /// Directory with ca.pem, {role}.pem and {role}.key (as tokenmesh-certs
+    /// writes them, role = router, worker or control) for mutual TLS.
+    #[arg(long, env = "TOKENMESH_TLS_DIR")]
+    pub tls_dir: Option<PathBuf>,
+
+    /// How often the certificate and key files are checked for replacement,
+    /// in milliseconds; a valid replacement serves new connections at once.
+    #[arg(long, env = "TOKENMESH_TLS_RELOAD_MS", default_value_t = 2_000)]
+    pub tls_reload_ms: u64,
+
+    #[command(flatten)]
+    pub telemetry: TelemetryArgs,
+
+    #[arg(skip)]
+    _defaults: std::marker::PhantomData<D>,
+}
+
+impl<D: ServerDefaults> ServerArgs<D> {
+    /// How often the certificate files are polled (at least every 10 ms).
+    pub fn tls_reload(&self) -> Duration {
+        Duration::from_millis(self.tls_reload_ms.max(10))
+    }
+
+    /// The etcd key schema under `--etcd-prefix`.
+    pub fn keys(&self) -> Keys {
+        Keys::new(&self.etcd_prefix)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Clone, Debug)]
+    struct Test;
+    impl ServerDefaults for Test {
+        const LISTEN: &'static str = "0.0.0.0:50999";
+    }
+
+    #[derive(Parser, Debug)]
+    struct Cfg {
+        #[command(flatten)]
+        server: ServerArgs<Test>,
+    }
+
+    #[test]
+    fn each_binary_has_its_own_listen_default() {
+        let cfg = Cfg::try_parse_from(["t", "--insecure"]).unwrap();
+        assert_eq!(cfg.server.listen.port(), 50999);
+        assert!(cfg.server.etcd.is_empty());
+        assert_eq!(cfg.server.keys().root(), "/tokenmesh/");
+    }
+
+    #[test]
+    fn flags_parse() {
+        let cfg = Cfg::try_parse_from([
+            "t",
+            "--listen",
+            "127.0.0.1:1",
+            "--etcd",
+            "http://a:2379,http://b:2379",
+            "--tls-dir",
+            "/x",
+            "--tls-reload-ms",
+            "1",
+        ])
+        .unwrap();
+        assert_eq!(cfg.server.etcd.len(), 2);
+        assert_eq!(cfg.server.tls_reload(), Duration::from_millis(10));
+        assert!(Cfg::try_parse_from(["t", "--insecure", "--tls-dir", "/x"]).is_err());
+    }
+}

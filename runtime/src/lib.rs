@@ -1,0 +1,23 @@
+//! What every tokenmesh server shares, so each process crate holds only its
+//! own logic: start-up ([`serve`]: health, reflection, the authorization
+//! layer, TLS or plaintext, graceful shutdown), the common flags
+//! ([`args::ServerArgs`]), etcd connections and leases ([`etcd`],
+//! [`lease`]), backoff with jitter ([`backoff`]) and telemetry set-up
+//! ([`telemetry`]). No business logic lives here.
+#![forbid(unsafe_code)]
+
+pub mod args;
+pub mod backoff;
+pub mod etcd;
+pub mod lease;
+pub mod reflection;
+pub mod serve;
+pub mod shutdown;
+pub mod start;
+pub mod telemetry;
+
+pub use args::{ServerArgs, ServerDefaults};
+pub use backoff::Backoff;
+pub use serve::{ServeError, Server};
+pub use shutdown::shutdown_signal;
+pub use start::{start, StartError};

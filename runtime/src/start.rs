@@ -1,0 +1,33 @@
+//! What a server's `main` does before it calls the process's `run`.
+use crate::args::{ServerArgs, ServerDefaults};
+use crate::telemetry::{TelemetryError, TelemetryGuard};
+use std::net::SocketAddr;
+use tokio::net::TcpListener;
+
+/// Why a server could not get as far as `run`.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(transparent)]
+    Telemetry(#[from] TelemetryError),
+    #[error("binding --listen {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+}
+
+/// Starts telemetry as `service` and binds `--listen`. Keep the guard for
+/// the life of the process: dropping it flushes the trace exporter.
+pub async fn start<D: ServerDefaults>(
+    service: &str,
+    args: &ServerArgs<D>,
+) -> Result<(TelemetryGuard, TcpListener), StartError> {
+    let telemetry = crate::telemetry::init(service, &args.telemetry)?;
+    let listener = TcpListener::bind(args.listen)
+        .await
+        .map_err(|source| StartError::Bind {
+            addr: args.listen,
+            source,
+        })?;
+    Ok((telemetry, listener))
+}
