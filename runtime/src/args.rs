@@ -1,26 +1,24 @@
 //! The flags every server binary takes (DESIGN.md, "Command-line
-//! conventions"), declared once and flattened into each binary's config with
-//! that binary's defaults.
+//! conventions"), declared once and flattened into each binary's config;
+//! `PORT` is the binary's own default gRPC port.
 use crate::telemetry::TelemetryArgs;
-use std::fmt::Debug;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
+use tokenmesh_certs::tls::{MeshTls, Role, TlsPaths, TransportError};
 use tokenmesh_proto::keys::Keys;
-
-/// A binary's own defaults for the shared flags.
-pub trait ServerDefaults: Clone + Debug + Send + Sync + 'static {
-    /// `--listen` when not given (DESIGN.md's port for this process).
-    const LISTEN: &'static str;
-}
 
 /// `--listen`, `--etcd`, `--etcd-prefix`, `--tls-dir`, `--insecure`,
 /// `--tls-reload-ms` and the telemetry flags (`--log`, `--log-format`,
 /// `--otlp-endpoint`, `--metrics-listen`).
 #[derive(clap::Args, Clone, Debug)]
-pub struct ServerArgs<D: ServerDefaults> {
+pub struct ServerArgs<const PORT: u16> {
     /// Address to serve gRPC on.
-    #[arg(long, env = "TOKENMESH_LISTEN", default_value = D::LISTEN)]
+    #[arg(
+        long,
+        env = "TOKENMESH_LISTEN",
+        default_value_t = SocketAddr::from(([0, 0, 0, 0], PORT))
+    )]
     pub listen: SocketAddr,
 
     /// etcd endpoints, comma-separated (`https://` ones are dialled with this
@@ -49,15 +47,34 @@ pub struct ServerArgs<D: ServerDefaults> {
 
     #[command(flatten)]
     pub telemetry: TelemetryArgs,
-
-    #[arg(skip)]
-    _defaults: std::marker::PhantomData<D>,
 }
 
-impl<D: ServerDefaults> ServerArgs<D> {
+impl<const PORT: u16> ServerArgs<PORT> {
     /// How often the certificate files are polled (at least every 10 ms).
     pub fn tls_reload(&self) -> Duration {
         Duration::from_millis(self.tls_reload_ms.max(10))
+    }
+
+    /// The server's transport from `--tls-dir` / `--insecure`: its mesh TLS
+    /// material as `role`, or None for plaintext (logged as a warning, with
+    /// `insecure_note` saying what that exposes).
+    pub fn transport(
+        &self,
+        role: Role,
+        insecure_note: &str,
+    ) -> Result<Option<MeshTls>, TransportError> {
+        tokenmesh_certs::tls::server_transport(
+            self.tls_dir.as_deref(),
+            self.insecure,
+            role,
+            insecure_note,
+        )
+    }
+
+    /// The certificate files to present to etcd: this process's own when it
+    /// runs mutual TLS and an endpoint is `https://`.
+    pub fn etcd_tls(&self, tls: Option<&MeshTls>) -> Option<TlsPaths> {
+        tokenmesh_certs::tls::etcd::client_paths(tls, &self.etcd)
     }
 
     /// The etcd key schema under `--etcd-prefix`.
@@ -71,16 +88,10 @@ mod tests {
     use super::*;
     use clap::Parser;
 
-    #[derive(Clone, Debug)]
-    struct Test;
-    impl ServerDefaults for Test {
-        const LISTEN: &'static str = "0.0.0.0:50999";
-    }
-
     #[derive(Parser, Debug)]
     struct Cfg {
         #[command(flatten)]
-        server: ServerArgs<Test>,
+        server: ServerArgs<50999>,
     }
 
     #[test]

@@ -16,7 +16,7 @@ pub mod shutdown;
 pub mod start;
 pub mod telemetry;
 
-pub use args::{ServerArgs, ServerDefaults};
+pub use args::ServerArgs;
 pub use backoff::Backoff;
 pub use serve::{ServeError, Server};
 pub use shutdown::shutdown_signal;

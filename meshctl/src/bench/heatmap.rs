@@ -2,6 +2,7 @@
 //! batch up, each cell coloured by its value and labelled with it. Drawn by
 //! hand on plotters' SVG backend: categorical axes are simpler as rectangles
 //! than as a chart's coordinate system.
+use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 use std::path::Path;
@@ -53,6 +54,9 @@ fn text<'a>(size: f64, h: HPos, colour: &'a RGBColor) -> TextStyle<'a> {
         .pos(Pos::new(h, VPos::Center))
 }
 
+/// The drawing surface of one heatmap.
+type Area<'a> = DrawingArea<SVGBackend<'a>, Shift>;
+
 /// Writes an SVG heatmap of `value(workers, max_batch, concurrency)`.
 pub fn write_svg(
     path: &Path,
@@ -96,60 +100,85 @@ pub fn write_svg(
     ))?;
     for (p, &w) in grid.workers.iter().enumerate() {
         let x0 = LEFT + p as i32 * (panel_w + GAP);
+        draw_panel(&root, grid, x0, p == 0, |b, c| {
+            value(w, b, c).map(|v| (v, scale(v)))
+        })?;
         let noun = if w == 1 { "worker" } else { "workers" };
         root.draw(&Text::new(
             format!("{w} {noun}"),
             (x0 + panel_w / 2, TOP - 16),
             text(15.0, HPos::Center, &BLACK),
         ))?;
-        for (iy, &b) in grid.max_batch.iter().enumerate() {
-            // The smallest batch at the bottom.
-            let y0 = TOP + (ny - 1 - iy as i32) * CELL;
-            if p == 0 {
-                root.draw(&Text::new(
-                    b.to_string(),
-                    (x0 - 10, y0 + CELL / 2),
-                    text(14.0, HPos::Right, &BLACK),
-                ))?;
-            }
-            for (ix, &c) in grid.concurrency.iter().enumerate() {
-                let cx = x0 + ix as i32 * CELL;
-                let v = value(w, b, c);
-                let fill = v
-                    .map(|v| colour(scale(v)))
-                    .unwrap_or(RGBColor(200, 200, 200));
-                root.draw(&Rectangle::new(
-                    [(cx, y0), (cx + CELL - 2, y0 + CELL - 2)],
-                    fill.filled(),
-                ))?;
-                let ink = if v.map(scale).unwrap_or(1.0) > 0.55 {
-                    BLACK
-                } else {
-                    WHITE
-                };
-                root.draw(&Text::new(
-                    v.map(label).unwrap_or_else(|| "failed".into()),
-                    (cx + CELL / 2 - 1, y0 + CELL / 2 - 1),
-                    text(15.0, HPos::Center, &ink),
-                ))?;
-            }
-        }
-        for (ix, &c) in grid.concurrency.iter().enumerate() {
+    }
+    draw_legend(
+        &root,
+        width - LEGEND + 30,
+        ny * CELL,
+        lo.is_finite().then_some((lo, hi)),
+    )?;
+    root.present()?;
+    Ok(())
+}
+
+/// One panel (one worker count) with its left edge at `x0`: a cell per
+/// (max batch, concurrency), coloured by `cell(b, c)` = (value, 0..1 scale).
+fn draw_panel(
+    root: &Area,
+    grid: &Grid,
+    x0: i32,
+    first: bool,
+    cell: impl Fn(u32, u32) -> Option<(f64, f64)>,
+) -> anyhow::Result<()> {
+    let ny = grid.max_batch.len() as i32;
+    let panel_w = grid.concurrency.len() as i32 * CELL;
+    for (iy, &b) in grid.max_batch.iter().enumerate() {
+        // The smallest batch at the bottom.
+        let y0 = TOP + (ny - 1 - iy as i32) * CELL;
+        if first {
             root.draw(&Text::new(
-                c.to_string(),
-                (x0 + ix as i32 * CELL + CELL / 2, TOP + ny * CELL + 14),
-                text(14.0, HPos::Center, &BLACK),
+                b.to_string(),
+                (x0 - 10, y0 + CELL / 2),
+                text(14.0, HPos::Right, &BLACK),
             ))?;
         }
+        for (ix, &c) in grid.concurrency.iter().enumerate() {
+            let cx = x0 + ix as i32 * CELL;
+            let v = cell(b, c);
+            let fill = v.map(|(_, t)| colour(t)).unwrap_or(RGBColor(200, 200, 200));
+            root.draw(&Rectangle::new(
+                [(cx, y0), (cx + CELL - 2, y0 + CELL - 2)],
+                fill.filled(),
+            ))?;
+            let ink = if v.map(|(_, t)| t).unwrap_or(1.0) > 0.55 {
+                BLACK
+            } else {
+                WHITE
+            };
+            root.draw(&Text::new(
+                v.map(|(v, _)| label(v)).unwrap_or_else(|| "failed".into()),
+                (cx + CELL / 2 - 1, y0 + CELL / 2 - 1),
+                text(15.0, HPos::Center, &ink),
+            ))?;
+        }
+    }
+    for (ix, &c) in grid.concurrency.iter().enumerate() {
         root.draw(&Text::new(
-            "concurrency".to_string(),
-            (x0 + panel_w / 2, TOP + ny * CELL + 38),
-            text(13.0, HPos::Center, &BLACK),
+            c.to_string(),
+            (x0 + ix as i32 * CELL + CELL / 2, TOP + ny * CELL + 14),
+            text(14.0, HPos::Center, &BLACK),
         ))?;
     }
-    // Colour bar: low at the bottom, high at the top.
-    let lx = width - LEGEND + 30;
-    let bar_h = ny * CELL;
+    root.draw(&Text::new(
+        "concurrency".to_string(),
+        (x0 + panel_w / 2, TOP + ny * CELL + 38),
+        text(13.0, HPos::Center, &BLACK),
+    ))?;
+    Ok(())
+}
+
+/// The colour bar at `lx`, low at the bottom and high at the top, labelled
+/// with the range when there is one.
+fn draw_legend(root: &Area, lx: i32, bar_h: i32, range: Option<(f64, f64)>) -> anyhow::Result<()> {
     for i in 0..bar_h {
         let t = 1.0 - i as f64 / bar_h as f64;
         root.draw(&Rectangle::new(
@@ -157,7 +186,7 @@ pub fn write_svg(
             colour(t).filled(),
         ))?;
     }
-    if lo.is_finite() {
+    if let Some((lo, hi)) = range {
         root.draw(&Text::new(
             label(hi),
             (lx + 24, TOP + 6),
@@ -169,7 +198,6 @@ pub fn write_svg(
             text(12.0, HPos::Left, &BLACK),
         ))?;
     }
-    root.present()?;
     Ok(())
 }
 

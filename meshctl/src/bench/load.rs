@@ -277,27 +277,7 @@ pub async fn run(args: &LoadArgs, progress: bool) -> anyhow::Result<Run> {
     });
 
     let bar = progress_bar(progress, args.warmup + args.duration);
-    let ticker = {
-        let (shared, bar) = (shared.clone(), bar.clone());
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_millis(200));
-            loop {
-                tick.tick().await;
-                let secs = shared.t0.elapsed().as_secs_f64();
-                bar.set_position((secs * 10.0) as u64);
-                let phase = if Instant::now() < shared.warm_end {
-                    "warm-up"
-                } else {
-                    "measuring"
-                };
-                bar.set_message(format!(
-                    "{phase}: {} requests, {} tokens",
-                    shared.completed.load(Ordering::Relaxed),
-                    shared.tokens.load(Ordering::Relaxed)
-                ));
-            }
-        })
-    };
+    let ticker = tokio::spawn(show_progress(shared.clone(), bar.clone()));
 
     match args.rate {
         None => closed_loop(&shared, args.concurrency).await,
@@ -307,12 +287,42 @@ pub async fn run(args: &LoadArgs, progress: bool) -> anyhow::Result<Run> {
     bar.finish_and_clear();
 
     let samples = std::mem::take(&mut *shared.samples.lock().expect("samples lock"));
-    let warm = warm_end - t0;
-    let issue = issue_end - t0;
-    // Count-bound runs end when their last measured request does; time-bound
-    // ones at the end of the window.
+    let window = measured_window(&shared, &samples);
+    Ok(Run {
+        samples,
+        window,
+        model,
+    })
+}
+
+/// Updates the progress bar every 200 ms until aborted.
+async fn show_progress(shared: Arc<Shared>, bar: ProgressBar) {
+    let mut tick = tokio::time::interval(Duration::from_millis(200));
+    loop {
+        tick.tick().await;
+        let secs = shared.t0.elapsed().as_secs_f64();
+        bar.set_position((secs * 10.0) as u64);
+        let phase = if Instant::now() < shared.warm_end {
+            "warm-up"
+        } else {
+            "measuring"
+        };
+        bar.set_message(format!(
+            "{phase}: {} requests, {} tokens",
+            shared.completed.load(Ordering::Relaxed),
+            shared.tokens.load(Ordering::Relaxed)
+        ));
+    }
+}
+
+/// The measured window, from the end of the warm-up: count-bound runs end
+/// when their last measured request does, time-bound ones at the end of the
+/// window.
+fn measured_window(shared: &Shared, samples: &[Sample]) -> (Duration, Duration) {
+    let warm = shared.warm_end - shared.t0;
+    let issue = shared.issue_end - shared.t0;
     let count_bound = shared.measured_issued.load(Ordering::SeqCst) >= shared.max_measured;
-    let window_end = if count_bound {
+    let end = if count_bound {
         samples
             .iter()
             .filter(|s| s.start >= warm)
@@ -324,11 +334,7 @@ pub async fn run(args: &LoadArgs, progress: bool) -> anyhow::Result<Run> {
     } else {
         issue
     };
-    Ok(Run {
-        samples,
-        window: (warm, window_end),
-        model,
-    })
+    (warm, end)
 }
 
 async fn closed_loop(shared: &Arc<Shared>, concurrency: usize) {

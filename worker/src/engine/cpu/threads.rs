@@ -49,6 +49,7 @@ struct Shared {
 // helpers only between seeing a new epoch and checking out; the function it
 // points to is Sync.
 unsafe impl Sync for Shared {}
+// SAFETY: as for Sync; nothing in `Shared` is tied to the thread that made it.
 unsafe impl Send for Shared {}
 
 /// A fixed set of compute threads; the calling thread is one of them.
@@ -155,7 +156,10 @@ impl<T> Parts<T> {
         self.0
     }
 }
+// SAFETY: a `Parts` is only handed to tasks that each write a disjoint range
+// of the buffer it points to, which outlives the pool job (see `rows`).
 unsafe impl<T: Send> Send for Parts<T> {}
+// SAFETY: as for Send: shared between tasks, used for disjoint writes only.
 unsafe impl<T: Send> Sync for Parts<T> {}
 
 impl ComputePool {
@@ -227,6 +231,7 @@ fn helper(s: &Shared) {
         }
         // SAFETY: see `Shared`; `run` keeps the job alive until we check out.
         let job = unsafe { *s.job.get() };
+        // SAFETY: `job.f` points at the closure `run` borrows for the job's life.
         let f = unsafe { &*job.f };
         if catch_unwind(AssertUnwindSafe(|| claim(s, f, job.tasks))).is_err() {
             s.panicked.store(true, Ordering::Relaxed);

@@ -1,0 +1,238 @@
+//! One sequence's reply: the engine's events for it turned into numbered
+//! wire messages (`Accepted`, `Delta`s, one `Finished`, or an error status),
+//! with the per-request metrics counted as they pass.
+use crate::errors::WorkerError;
+use crate::scheduler::{Event, Finish};
+use crate::server::{record_outcome, Labels, WorkerIdentity};
+use std::time::{Duration, Instant};
+use tokenmesh_proto::v1::{
+    generate_response, Accepted, Arm, Delta, FinishReason, Finished, GenerateResponse, Timings,
+    Usage,
+};
+use tokio::sync::mpsc;
+use tonic::Status;
+
+/// Who the reply goes to and what it belongs to.
+pub(crate) struct ReplyTo {
+    pub identity: WorkerIdentity,
+    pub request_id: String,
+    pub prompt_tokens: u32,
+    /// Completion tokens delivered before a failover.
+    pub already_emitted: u32,
+    /// The caller's deadline; past it the sequence is dropped.
+    pub deadline: Option<tokio::time::Instant>,
+    pub out: mpsc::Sender<Result<GenerateResponse, Status>>,
+    pub labels: Labels,
+    /// When the request arrived.
+    pub started: Instant,
+    pub span: tracing::Span,
+}
+
+/// Converts one sequence's engine events into numbered wire messages.
+pub(crate) struct Relay {
+    to: ReplyTo,
+    completion_tokens: u32,
+    seq: u64,
+    queued: Duration,
+    last_token: Option<Instant>,
+    /// The outcome; a stream dropped without one was cancelled by its client.
+    code: tonic::Code,
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        let labels = &self.to.labels;
+        metrics::gauge!("llm_active_streams", labels).decrement(1.0);
+        metrics::histogram!("llm_request_duration_seconds", labels)
+            .record(self.to.started.elapsed().as_secs_f64());
+        record_outcome(labels, self.code);
+        if !matches!(self.code, tonic::Code::Ok | tonic::Code::Cancelled) {
+            self.to.span.record("otel.status_code", "ERROR");
+        }
+    }
+}
+
+impl Relay {
+    /// A reply that counts itself as an active stream until it ends.
+    pub(crate) fn new(to: ReplyTo) -> Self {
+        metrics::gauge!("llm_active_streams", &to.labels).increment(1.0);
+        Self {
+            completion_tokens: to.already_emitted,
+            to,
+            seq: 0,
+            queued: Duration::ZERO,
+            last_token: None,
+            code: tonic::Code::Cancelled,
+        }
+    }
+
+    /// Relays `events` until the sequence ends, the client leaves or the
+    /// deadline passes.
+    pub(crate) async fn run(mut self, mut events: mpsc::UnboundedReceiver<Event>) {
+        let accepted = generate_response::Event::Accepted(Accepted {
+            request_id: self.to.request_id.clone(),
+            model: self.to.identity.model_name.clone(),
+            version: self.to.identity.version.clone(),
+            arm: Arm::Unspecified as i32,
+            worker_id: self.to.identity.worker_id.clone(),
+        });
+        if !self.send(accepted).await {
+            return;
+        }
+        let deadline = self.to.deadline;
+        let expiry = async move {
+            match deadline {
+                Some(d) => tokio::time::sleep_until(d).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::pin!(expiry);
+        loop {
+            // Watch the client too, so that a cancel while queued frees the slot.
+            let event = tokio::select! {
+                e = events.recv() => e,
+                _ = self.to.out.closed() => return,
+                _ = &mut expiry => {
+                    // Returning drops `events`, which frees the sequence.
+                    let message = format!(
+                        "deadline exceeded after {} completion tokens",
+                        self.completion_tokens
+                    );
+                    self.fail(Status::deadline_exceeded(message)).await;
+                    return;
+                }
+            };
+            let more = match event {
+                None => {
+                    self.fail(Status::internal("the engine dropped the sequence"))
+                        .await;
+                    false
+                }
+                Some(Event::Started { queued }) => {
+                    self.queued = queued;
+                    true
+                }
+                Some(Event::Token { id, text, logprob }) => self.token(id, text, logprob).await,
+                Some(Event::Finished {
+                    reason,
+                    stop,
+                    tail,
+                    completion_tokens,
+                    first_token,
+                    total,
+                }) => {
+                    self.completion_tokens = completion_tokens;
+                    let timings = Timings {
+                        queue_ms: ms(self.queued),
+                        time_to_first_token_ms: first_token.map(ms).unwrap_or(0.0),
+                        total_ms: ms(total),
+                    };
+                    self.finish(reason, stop, tail, timings).await;
+                    false
+                }
+                Some(Event::Rejected(msg)) => {
+                    self.fail(Status::resource_exhausted(msg)).await;
+                    false
+                }
+                Some(Event::Failed(msg)) => {
+                    self.fail(WorkerError::Engine(msg).into_status()).await;
+                    false
+                }
+            };
+            if !more {
+                return;
+            }
+        }
+    }
+
+    /// One token: its metrics and its delta; false once the client is gone.
+    async fn token(&mut self, id: u32, text: String, logprob: Option<f32>) -> bool {
+        self.completion_tokens += 1;
+        let now = Instant::now();
+        let labels = &self.to.labels;
+        match self.last_token {
+            None => metrics::histogram!("llm_time_to_first_token_seconds", labels)
+                .record((now - self.to.started).as_secs_f64()),
+            Some(prev) => metrics::histogram!("llm_inter_token_latency_seconds", labels)
+                .record((now - prev).as_secs_f64()),
+        }
+        self.last_token = Some(now);
+        metrics::counter!("llm_tokens_generated_total", labels).increment(1);
+        let delta = self.delta(vec![id], text, logprob.into_iter().collect());
+        self.send(delta).await
+    }
+
+    /// The end of the sequence: held-back text, then `Finished`.
+    async fn finish(
+        &mut self,
+        reason: Finish,
+        stop: Option<String>,
+        tail: String,
+        timings: Timings,
+    ) {
+        self.code = tonic::Code::Ok;
+        self.to
+            .span
+            .record("completion_tokens", self.completion_tokens);
+        self.to
+            .span
+            .record("finish_reason", tracing::field::debug(reason));
+        if !tail.is_empty() && !self.send(self.delta(vec![], tail, vec![])).await {
+            return;
+        }
+        let finished = generate_response::Event::Finished(Finished {
+            finish_reason: match reason {
+                Finish::Stop => FinishReason::Stop,
+                Finish::Length => FinishReason::Length,
+                Finish::Eos => FinishReason::Eos,
+            } as i32,
+            stop: stop.unwrap_or_default(),
+            usage: Some(self.usage()),
+            failovers: 0,
+            timings: Some(timings),
+            worker_id: self.to.identity.worker_id.clone(),
+        });
+        self.send(finished).await;
+    }
+
+    /// Ends the stream with `status`, which is also the recorded outcome.
+    async fn fail(&mut self, status: Status) {
+        self.code = status.code();
+        let _ = self.to.out.send(Err(status)).await;
+    }
+
+    fn usage(&self) -> Usage {
+        Usage {
+            prompt_tokens: self.to.prompt_tokens,
+            completion_tokens: self.completion_tokens,
+        }
+    }
+
+    fn delta(
+        &self,
+        token_ids: Vec<u32>,
+        text: String,
+        logprobs: Vec<f32>,
+    ) -> generate_response::Event {
+        generate_response::Event::Delta(Delta {
+            token_ids,
+            text,
+            logprobs,
+            usage: Some(self.usage()),
+        })
+    }
+
+    /// Sends one numbered message; false once the client is gone.
+    async fn send(&mut self, event: generate_response::Event) -> bool {
+        let msg = GenerateResponse {
+            seq: self.seq,
+            event: Some(event),
+        };
+        self.seq += 1;
+        self.to.out.send(Ok(msg)).await.is_ok()
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
