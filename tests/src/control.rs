@@ -1,5 +1,6 @@
 //! Control-plane processes for the end-to-end suites.
-use crate::{bin, channel, free_port, Creds, Proc};
+use crate::pki::{channel, Creds};
+use crate::process::{bin, free_port, Proc};
 use anyhow::{bail, Result};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
