@@ -10,7 +10,9 @@ use tonic::transport::Channel;
 
 /// A `tokenmesh-control` replica.
 pub struct ControlProc {
+    /// Its `--control-id`.
     pub id: String,
+    /// `http://127.0.0.1:PORT` of the Control API.
     pub addr: String,
     pub proc: Proc,
     /// What the harness's own clients present (mTLS only).
@@ -20,12 +22,17 @@ pub struct ControlProc {
 /// Options for a control-plane replica.
 #[derive(Clone, Debug)]
 pub struct ControlOpts {
+    /// `--control-id`.
     pub id: String,
+    /// `--etcd` URL.
     pub etcd: String,
     /// `--tls-dir` of the replica and the credentials the harness probes with.
     pub tls: Option<(PathBuf, Creds)>,
+    /// `--election-ttl-s`: short, so that failover tests do not wait long.
     pub election_ttl_s: u64,
+    /// `--analysis-interval-ms`.
     pub analysis_interval_ms: u64,
+    /// Further flags, appended last.
     pub extra: Vec<String>,
 }
 

@@ -8,6 +8,7 @@ use tokenmesh_certs::Role;
 
 /// A single-node etcd from Debian's etcd-server package.
 pub struct Etcd {
+    /// The client URL, `http://` or `https://`.
     pub url: String,
     /// With TLS: what [`Etcd::client`] presents.
     pub creds: Option<Creds>,

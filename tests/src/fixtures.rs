@@ -10,10 +10,15 @@ use tonic::transport::Channel;
 /// Everything one Generate stream delivered.
 #[derive(Debug, Default)]
 pub struct Collected {
+    /// The first message.
     pub accepted: Option<Accepted>,
+    /// Every delta's text, joined.
     pub text: String,
+    /// Every delta's token ids, in order.
     pub token_ids: Vec<u32>,
+    /// The last message.
     pub finished: Option<Finished>,
+    /// Each message's `seq`, as received.
     pub seqs: Vec<u64>,
 }
 

@@ -14,7 +14,9 @@ use tonic::transport::Channel;
 
 /// A worker process.
 pub struct WorkerProc {
+    /// Its `--worker-id`.
     pub id: String,
+    /// `http://127.0.0.1:PORT` of the Worker API.
     pub addr: String,
     pub proc: Proc,
     /// What the harness's own clients present (mTLS workers only).
@@ -24,9 +26,13 @@ pub struct WorkerProc {
 /// Options for a worker.
 #[derive(Clone, Debug)]
 pub struct WorkerOpts {
+    /// `--worker-id`.
     pub id: String,
+    /// `--model-version`.
     pub version: String,
+    /// `--etcd` URL; none: not registered anywhere.
     pub etcd: Option<String>,
+    /// Further flags, appended last.
     pub extra: Vec<String>,
     /// Run the synthetic engine at this many tokens/s per sequence instead
     /// of the real model.
@@ -145,6 +151,7 @@ fn transport_args(tls_dir: Option<&Path>) -> Vec<String> {
 
 /// A router process.
 pub struct RouterProc {
+    /// `http://127.0.0.1:PORT` of the Inference API.
     pub addr: String,
     pub proc: Proc,
     /// What the harness's own clients present (mTLS routers only).

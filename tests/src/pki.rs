@@ -7,6 +7,7 @@ use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity as TlsIde
 
 /// A test CA in a temporary directory that issues `--tls-dir` directories.
 pub struct Pki {
+    /// Holds the CA and every issued directory; removed when dropped.
     pub dir: tempfile::TempDir,
     pub ca: Ca,
 }
@@ -46,7 +47,9 @@ impl Pki {
 /// whose certificate in it to use.
 #[derive(Clone, Debug)]
 pub struct Creds {
+    /// A `--tls-dir`-style directory.
     pub dir: PathBuf,
+    /// Whose `{role}.pem` and `{role}.key` in it to present.
     pub role: Role,
 }
 

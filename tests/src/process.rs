@@ -40,6 +40,7 @@ pub fn free_port() -> u16 {
 
 /// A child process killed (SIGKILL) when dropped, with its output in a log file.
 pub struct Proc {
+    /// Names its log file and failure messages.
     pub name: String,
     child: Child,
     pub log: PathBuf,
