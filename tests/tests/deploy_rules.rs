@@ -211,9 +211,15 @@ fn selectors_finds_the_series_an_expression_reads() {
     assert_eq!(selectors("ns:rec:rate5m / ns:other")[1].name, "ns:other");
 }
 
+/// PromQL expressions, each with where it was read (for failure messages).
+type Exprs = Vec<(String, String)>;
+
+/// The values each custom dashboard variable (`$job`) can take.
+type Custom = BTreeMap<String, Vec<String>>;
+
 /// The PromQL of every panel target and query variable of the dashboard, and
-/// the values each custom variable (`$job`) can take.
-fn dashboard() -> (Vec<(String, String)>, BTreeMap<String, Vec<String>>) {
+/// its custom variables.
+fn dashboard() -> (Exprs, Custom) {
     let path = deploy().join("grafana/tokenmesh-dashboard.json");
     let dash: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(path).unwrap()).expect("dashboard JSON");
@@ -253,7 +259,7 @@ fn dashboard() -> (Vec<(String, String)>, BTreeMap<String, Vec<String>>) {
 /// recording rules define. A small reader for this layout (`- alert:` or
 /// `- record:`, then `expr:` inline or as a `|` block), cross-checked by
 /// counting: no rule's expression can be skipped silently.
-fn rules(file: &str) -> (Vec<(String, String)>, BTreeSet<String>) {
+fn rules(file: &str) -> (Exprs, BTreeSet<String>) {
     let text = std::fs::read_to_string(deploy().join("prometheus").join(file)).unwrap();
     let lines: Vec<&str> = text.lines().collect();
     let (mut exprs, mut recorded) = (Vec::new(), BTreeSet::new());
@@ -319,7 +325,7 @@ fn missing(
     place: &str,
     scraped: &BTreeMap<&str, BTreeSet<String>>,
     recorded: &BTreeSet<String>,
-    custom: &BTreeMap<String, Vec<String>>,
+    custom: &Custom,
 ) -> Option<String> {
     if recorded.contains(&sel.name) {
         return None;
