@@ -1,19 +1,8 @@
 //! Automated canary analysis: turns the routers' published counters into
 //! per-arm windows (requests, errors, TTFT p99 since a step began) and those
 //! into a verdict. Pure functions, so every rule is unit-tested.
-use crate::rollout::{ArmRecord, RolloutRecord, Verdict};
-use crate::store::Snapshot;
-use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
+use crate::records::{ArmRecord, ByIncarnation, Counters, RolloutRecord, Verdict};
 use tokenmesh_proto::records::TTFT_BUCKETS_MS;
-
-/// Cumulative counters of one version as one router incarnation saw them.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Counters {
-    pub requests: u64,
-    pub errors: u64,
-    pub ttft_counts: Vec<u64>,
-}
 
 impl Counters {
     fn add(&mut self, other: &Counters) {
@@ -47,26 +36,6 @@ fn add_counts(into: &mut Vec<u64>, from: &[u64]) {
     }
 }
 
-/// Counters per router incarnation (`router_id@started_at_ms`), then per version.
-pub type ByIncarnation = BTreeMap<String, BTreeMap<String, Counters>>;
-
-/// The counters every router published for `model`.
-pub fn counters(snapshot: &Snapshot, model: &str) -> ByIncarnation {
-    let mut out = ByIncarnation::new();
-    for s in snapshot.stats.iter().filter(|s| s.model == model) {
-        let key = format!("{}@{}", s.router_id, s.record.started_at_ms);
-        out.entry(key).or_default().insert(
-            s.version.clone(),
-            Counters {
-                requests: s.record.requests,
-                errors: s.record.errors,
-                ttft_counts: s.record.ttft_counts.clone(),
-            },
-        );
-    }
-    out
-}
-
 /// One arm's traffic over a window.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct ArmWindow {
@@ -89,6 +58,18 @@ impl ArmWindow {
     /// TTFT p99 in milliseconds; 0 when no request reached a first token.
     pub fn ttft_p99_ms(&self) -> f64 {
         quantile_ms(&self.ttft_counts, 0.99)
+    }
+}
+
+impl From<&ArmWindow> for ArmRecord {
+    fn from(w: &ArmWindow) -> Self {
+        Self {
+            version: w.version.clone(),
+            requests: w.requests,
+            errors: w.errors,
+            error_rate: w.error_rate(),
+            ttft_p99_ms: w.ttft_p99_ms(),
+        }
     }
 }
 
@@ -165,34 +146,8 @@ pub fn decide(r: &RolloutRecord, canary: &ArmWindow, stable: &ArmWindow, now_ms:
         r.stable_reference.clone()
     };
     if canary.requests >= min {
-        let canary_err = canary.error_rate();
-        let stable_err = reference.as_ref().map(|s| s.error_rate).unwrap_or(0.0);
-        if canary_err > stable_err + r.max_error_rate_increase {
-            return Outcome {
-                verdict: Verdict::Rollback,
-                reason: format!(
-                    "canary error rate {:.2}% ({} of {}) exceeds stable {:.2}% by more than {:.2} points",
-                    canary_err * 100.0,
-                    canary.errors,
-                    canary.requests,
-                    stable_err * 100.0,
-                    r.max_error_rate_increase * 100.0
-                ),
-            };
-        }
-        let canary_p99 = canary.ttft_p99_ms();
-        if let Some(s) = reference.as_ref().filter(|s| s.ttft_p99_ms > 0.0) {
-            let limit = (s.ttft_p99_ms * r.max_ttft_p99_ratio)
-                .max(s.ttft_p99_ms + r.min_ttft_p99_increase_ms);
-            if canary_p99 > limit {
-                return Outcome {
-                    verdict: Verdict::Rollback,
-                    reason: format!(
-                        "canary TTFT p99 {:.0} ms exceeds stable's {:.0} ms by more than {:.1}x and {:.0} ms",
-                        canary_p99, s.ttft_p99_ms, r.max_ttft_p99_ratio, r.min_ttft_p99_increase_ms
-                    ),
-                };
-            }
+        if let Some(rollback) = regression(r, canary, reference.as_ref()) {
+            return rollback;
         }
     }
     let held_ms = now_ms.saturating_sub(r.step_started_at_ms);
@@ -219,7 +174,50 @@ pub fn decide(r: &RolloutRecord, canary: &ArmWindow, stable: &ArmWindow, now_ms:
             ),
         };
     }
-    let comparison = match reference.as_ref() {
+    move_on(r, canary, reference.as_ref())
+}
+
+/// A rollback when the canary is worse than the stable `reference` beyond the
+/// rollout's tolerances: its error rate, then its TTFT p99. Without a
+/// reference, errors compare against none and TTFT is not judged.
+fn regression(
+    r: &RolloutRecord,
+    canary: &ArmWindow,
+    reference: Option<&ArmRecord>,
+) -> Option<Outcome> {
+    let canary_err = canary.error_rate();
+    let stable_err = reference.map(|s| s.error_rate).unwrap_or(0.0);
+    if canary_err > stable_err + r.max_error_rate_increase {
+        return Some(Outcome {
+            verdict: Verdict::Rollback,
+            reason: format!(
+                "canary error rate {:.2}% ({} of {}) exceeds stable {:.2}% by more than {:.2} points",
+                canary_err * 100.0,
+                canary.errors,
+                canary.requests,
+                stable_err * 100.0,
+                r.max_error_rate_increase * 100.0
+            ),
+        });
+    }
+    let canary_p99 = canary.ttft_p99_ms();
+    let s = reference.filter(|s| s.ttft_p99_ms > 0.0)?;
+    // The ratio alone would fail a fast model on noise of a few milliseconds.
+    let limit =
+        (s.ttft_p99_ms * r.max_ttft_p99_ratio).max(s.ttft_p99_ms + r.min_ttft_p99_increase_ms);
+    (canary_p99 > limit).then(|| Outcome {
+        verdict: Verdict::Rollback,
+        reason: format!(
+            "canary TTFT p99 {:.0} ms exceeds stable's {:.0} ms by more than {:.1}x and {:.0} ms",
+            canary_p99, s.ttft_p99_ms, r.max_ttft_p99_ratio, r.min_ttft_p99_increase_ms
+        ),
+    })
+}
+
+/// The verdict of a healthy canary that has held its step long enough:
+/// promote at the last step, else advance to the next.
+fn move_on(r: &RolloutRecord, canary: &ArmWindow, reference: Option<&ArmRecord>) -> Outcome {
+    let comparison = match reference {
         Some(s) => format!(
             "canary {:.2}% errors, TTFT p99 {:.0} ms; stable {:.2}%, {:.0} ms",
             canary.error_rate() * 100.0,
@@ -253,25 +251,27 @@ pub fn decide(r: &RolloutRecord, canary: &ArmWindow, stable: &ArmWindow, now_ms:
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rollout::{RolloutDefaults, State};
-    use tokenmesh_proto::v1::StartCanaryRequest;
+    use crate::records::State;
 
+    /// A running rollout of v2 over v1 at its first step, begun at time 0.
     fn rollout(steps: Vec<u32>) -> RolloutRecord {
-        let d = RolloutDefaults {
-            steps: vec![],
+        RolloutRecord {
+            stable: "v1".into(),
+            canary: "v2".into(),
+            steps,
+            step: 0,
             hold_s: 10,
             min_requests: 50,
             max_error_rate_increase: 0.02,
             max_ttft_p99_ratio: 1.5,
             min_ttft_p99_increase_ms: 50.0,
-        };
-        let req = StartCanaryRequest {
-            model: "m".into(),
-            canary_version: "v2".into(),
-            steps,
-            ..Default::default()
-        };
-        RolloutRecord::start(&req, "v1", &d, 0, Default::default()).unwrap()
+            state: State::Running,
+            started_at_ms: 0,
+            step_started_at_ms: 0,
+            baseline: Default::default(),
+            stable_reference: None,
+            decisions: Vec::new(),
+        }
     }
 
     /// `n` requests with `errors` failures, every first token in bucket `b`.

@@ -4,7 +4,8 @@
 //! transaction. Every decision is stored with its numbers, logged, and
 //! recorded as a span event.
 use crate::analysis::{self, Outcome};
-use crate::rollout::{now_ms, ArmRecord, Decision, RolloutRecord, Verdict};
+use crate::records::{ArmRecord, ByIncarnation, Decision, RolloutRecord, State, Verdict};
+use crate::rollout::now_ms;
 use crate::store::{Guarded, Snapshot, Store, StoreError, Versioned};
 use std::time::Duration;
 use tokenmesh_proto::records::PolicyRecord;
@@ -37,7 +38,7 @@ pub async fn run(
             }
         };
         for (model, rollout) in &snapshot.rollouts {
-            if rollout.value.state != crate::rollout::State::Running {
+            if rollout.value.state != State::Running {
                 continue;
             }
             if let Err(e) = analyse(&store, &snapshot, model, &id).await {
@@ -58,7 +59,7 @@ async fn analyse(
     let Some(stored) = snapshot.rollouts.get(model) else {
         return Ok(());
     };
-    let now = analysis::counters(snapshot, model);
+    let now = snapshot.counters(model);
     let r = &stored.value;
     let canary = analysis::window(&now, &r.baseline, &r.canary);
     let stable = analysis::window(&now, &r.baseline, &r.stable);
@@ -86,7 +87,7 @@ pub async fn commit_decision(
     model: &str,
     stored: &Versioned<RolloutRecord>,
     decision: Decision,
-    counters_now: analysis::ByIncarnation,
+    counters_now: ByIncarnation,
 ) -> Result<RolloutRecord, StoreError> {
     let keys = store.keys();
     let (policy, policy_rev) = snapshot

@@ -9,6 +9,7 @@ pub mod config;
 pub mod controller;
 pub mod election;
 pub mod errors;
+pub mod records;
 pub mod rollout;
 pub mod service;
 pub mod store;

@@ -1,95 +1,11 @@
 //! Canary rollouts: the record stored at `rollouts/{model}` and the state
 //! changes a verdict makes to it and to the model's traffic policy.
-use crate::analysis::{ArmWindow, Counters};
-use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
+use crate::records::{ArmRecord, ByIncarnation, Decision, RolloutRecord, State, Verdict};
 use tokenmesh_proto::records::{CanaryPolicy, PolicyRecord};
 use tokenmesh_proto::v1;
 
 /// Decisions kept in a record; older ones are dropped first.
 const MAX_DECISIONS: usize = 200;
-
-/// Where a rollout stands.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum State {
-    Running,
-    Promoted,
-    RolledBack,
-}
-
-/// What the controller (or an operator) decided at one point.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Verdict {
-    Hold,
-    Advance,
-    Promote,
-    Rollback,
-}
-
-/// The traffic of one arm during a step, as recorded with a decision.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, Default)]
-pub struct ArmRecord {
-    pub version: String,
-    pub requests: u64,
-    pub errors: u64,
-    pub error_rate: f64,
-    pub ttft_p99_ms: f64,
-}
-
-impl From<&ArmWindow> for ArmRecord {
-    fn from(w: &ArmWindow) -> Self {
-        Self {
-            version: w.version.clone(),
-            requests: w.requests,
-            errors: w.errors,
-            error_rate: w.error_rate(),
-            ttft_p99_ms: w.ttft_p99_ms(),
-        }
-    }
-}
-
-/// One decision, with the numbers it was based on.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Decision {
-    pub at_ms: u64,
-    pub step: u32,
-    pub weight: u32,
-    pub verdict: Verdict,
-    pub reason: String,
-    pub canary: ArmRecord,
-    pub stable: ArmRecord,
-    pub decided_by: String,
-}
-
-/// `rollouts/{model}`.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct RolloutRecord {
-    pub stable: String,
-    pub canary: String,
-    pub steps: Vec<u32>,
-    pub step: u32,
-    pub hold_s: u32,
-    pub min_requests: u32,
-    pub max_error_rate_increase: f64,
-    pub max_ttft_p99_ratio: f64,
-    #[serde(default)]
-    pub min_ttft_p99_increase_ms: f64,
-    pub state: State,
-    pub started_at_ms: u64,
-    pub step_started_at_ms: u64,
-    /// Each router incarnation's counters per version when the step began,
-    /// so any replica that leads next measures the same window.
-    #[serde(default)]
-    pub baseline: BTreeMap<String, BTreeMap<String, Counters>>,
-    /// Stable's traffic from the last step in which it had enough requests:
-    /// the reference once the canary takes all traffic.
-    #[serde(default)]
-    pub stable_reference: Option<ArmRecord>,
-    #[serde(default)]
-    pub decisions: Vec<Decision>,
-}
 
 /// Values a StartCanary request may leave unset.
 #[derive(Clone, Debug)]
@@ -124,7 +40,7 @@ impl RolloutRecord {
         stable: &str,
         defaults: &RolloutDefaults,
         now_ms: u64,
-        baseline: BTreeMap<String, BTreeMap<String, Counters>>,
+        baseline: ByIncarnation,
     ) -> Result<Self, InvalidRollout> {
         let steps = if req.steps.is_empty() {
             defaults.steps.clone()
@@ -182,23 +98,13 @@ impl RolloutRecord {
         })
     }
 
-    /// The canary weight of the current step.
-    pub fn weight(&self) -> u32 {
-        self.steps.get(self.step as usize).copied().unwrap_or(100)
-    }
-
-    /// Whether the current step is the last.
-    pub fn at_last_step(&self) -> bool {
-        self.step as usize + 1 >= self.steps.len()
-    }
-
     /// Applies a decision: moves the rollout on and returns the traffic
     /// policy it implies (from `policy`, the model's current one).
     pub fn apply(
         &mut self,
         decision: Decision,
         policy: &PolicyRecord,
-        now_counters: BTreeMap<String, BTreeMap<String, Counters>>,
+        now_counters: ByIncarnation,
     ) -> PolicyRecord {
         let mut next = policy.clone();
         match decision.verdict {

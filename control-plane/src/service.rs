@@ -4,8 +4,9 @@
 use crate::analysis;
 use crate::controller::commit_decision;
 use crate::errors::ControlError;
-use crate::rollout::{now_ms, ArmRecord, Decision, RolloutDefaults, RolloutRecord, State, Verdict};
-use crate::store::{Freshness, Guarded, Snapshot, Store};
+use crate::records::{ArmRecord, Decision, RolloutRecord, State, Verdict};
+use crate::rollout::{now_ms, RolloutDefaults};
+use crate::store::{Freshness, Guarded, Snapshot, Store, Versioned};
 use crate::views::{self, History};
 use std::pin::Pin;
 use std::sync::Arc;
@@ -223,37 +224,8 @@ impl Control for ControlService {
             return Err(ControlError::Invalid("canary_version: required".into()).into());
         }
         let snap = self.read_for_write().await?;
-        if !snap.knows_model(&r.model) {
-            return Err(ControlError::UnknownModel(r.model).into());
-        }
-        if let Some(existing) = snap.rollouts.get(&r.model) {
-            if existing.value.state == State::Running {
-                return Err(ControlError::RolloutRunning {
-                    model: r.model.clone(),
-                    canary: existing.value.canary.clone(),
-                    step: existing.value.step + 1,
-                }
-                .into());
-            }
-        }
-        let Some(policy) = snap.policies.get(&r.model) else {
-            return Err(ControlError::Precondition(format!(
-                "model {:?} has no traffic policy yet; set its stable version first (meshctl policy set {} --stable VERSION)",
-                r.model, r.model
-            ))
-            .into());
-        };
-        if r.canary_version == policy.value.stable {
-            return Err(ControlError::Invalid(format!(
-                "canary_version {:?} is already the stable version",
-                r.canary_version
-            ))
-            .into());
-        }
-        if let Err(e) = registered_version(&snap, &r.model, &r.canary_version) {
-            return Err(ControlError::Precondition(e.to_string()).into());
-        }
-        let baseline = analysis::counters(&snap, &r.model);
+        let policy = startable(&snap, &r)?;
+        let baseline = snap.counters(&r.model);
         let mut rollout =
             RolloutRecord::start(&r, &policy.value.stable, &self.defaults, now_ms(), baseline)
                 .map_err(ControlError::from)?;
@@ -458,7 +430,7 @@ impl ControlService {
             ))
             .into());
         }
-        let now = analysis::counters(&snap, &model);
+        let now = snap.counters(&model);
         let canary = analysis::window(&now, &r.baseline, &r.canary);
         let stable = analysis::window(&now, &r.baseline, &r.stable);
         let decision = Decision {
@@ -484,6 +456,43 @@ impl ControlService {
         tracing::info!(model = %model, by = %who, verdict = ?verdict, "rollout ended by operator");
         Ok(Response::new(rollout.to_proto(&model)))
     }
+}
+
+/// The model's traffic policy, when `r` may start a rollout on `snap`: the
+/// model is known and has a policy, no rollout of it runs, and the canary is
+/// a registered version other than stable.
+fn startable<'a>(
+    snap: &'a Snapshot,
+    r: &v1::StartCanaryRequest,
+) -> Result<&'a Versioned<PolicyRecord>, ControlError> {
+    if !snap.knows_model(&r.model) {
+        return Err(ControlError::UnknownModel(r.model.clone()));
+    }
+    if let Some(existing) = snap.rollouts.get(&r.model) {
+        if existing.value.state == State::Running {
+            return Err(ControlError::RolloutRunning {
+                model: r.model.clone(),
+                canary: existing.value.canary.clone(),
+                step: existing.value.step + 1,
+            });
+        }
+    }
+    let Some(policy) = snap.policies.get(&r.model) else {
+        return Err(ControlError::Precondition(format!(
+            "model {:?} has no traffic policy yet; set its stable version first (meshctl policy set {} --stable VERSION)",
+            r.model, r.model
+        )));
+    };
+    if r.canary_version == policy.value.stable {
+        return Err(ControlError::Invalid(format!(
+            "canary_version {:?} is already the stable version",
+            r.canary_version
+        )));
+    }
+    if let Err(e) = registered_version(snap, &r.model, &r.canary_version) {
+        return Err(ControlError::Precondition(e.to_string()));
+    }
+    Ok(policy)
 }
 
 /// A record as JSON.

@@ -3,7 +3,7 @@
 //!
 //! Reads fall back to the last good snapshot when etcd is unreachable and say
 //! how old it is; writes never fall back (UNAVAILABLE).
-use crate::rollout::RolloutRecord;
+use crate::records::{ByIncarnation, Counters, RolloutRecord};
 use etcd_client::{Client, Compare, CompareOp, GetOptions, Txn, TxnOp};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -100,6 +100,24 @@ impl Snapshot {
         m.sort();
         m.dedup();
         m
+    }
+
+    /// The counters every router published for `model`, by router incarnation
+    /// (`router_id@started_at_ms`, so a restarted router counts afresh).
+    pub fn counters(&self, model: &str) -> ByIncarnation {
+        let mut out = ByIncarnation::new();
+        for s in self.stats.iter().filter(|s| s.model == model) {
+            let key = format!("{}@{}", s.router_id, s.record.started_at_ms);
+            out.entry(key).or_default().insert(
+                s.version.clone(),
+                Counters {
+                    requests: s.record.requests,
+                    errors: s.record.errors,
+                    ttft_counts: s.record.ttft_counts.clone(),
+                },
+            );
+        }
+        out
     }
 }
 

@@ -2,10 +2,12 @@
 //! (registration, drain, and load as the routers see it) and the per-version
 //! status table, whose rates come from a short history of snapshots.
 use crate::analysis;
+use crate::records::State;
 use crate::store::{Snapshot, Store, TimedSnapshot};
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use tokenmesh_proto::records::PolicyRecord;
 use tokenmesh_proto::v1;
 
 /// Snapshots sampled in the background, for rates over a window.
@@ -91,7 +93,8 @@ pub fn worker_info(snapshot: &Snapshot, worker_id: &str) -> Option<v1::WorkerInf
     Some(info)
 }
 
-/// The status table: one row per model version.
+/// The status table: one row per model version, with rates over the window
+/// since the oldest sampled snapshot (the second value, in seconds).
 pub fn mesh_status(
     snapshot: &Snapshot,
     history: &History,
@@ -107,62 +110,13 @@ pub fn mesh_status(
             continue;
         }
         let policy = snapshot.policies.get(&m).map(|p| &p.value);
-        let now = analysis::counters(snapshot, &m);
-        let base = analysis::counters(&base_snapshot, &m);
-        let mut versions: BTreeMap<String, ()> = snapshot
-            .registered_versions(&m)
-            .into_iter()
-            .map(|v| (v, ()))
-            .collect();
-        if let Some(p) = policy {
-            versions.insert(p.stable.clone(), ());
-            if let Some(c) = &p.canary {
-                versions.insert(c.version.clone(), ());
-            }
-        }
-        let rollout = snapshot
-            .rollouts
-            .get(&m)
-            .filter(|r| r.value.state == crate::rollout::State::Running)
-            .map(|r| {
-                format!(
-                    "step {}/{} at {}%",
-                    r.value.step + 1,
-                    r.value.steps.len(),
-                    r.value.weight()
-                )
-            })
-            .unwrap_or_default();
-        for v in versions.keys() {
-            let (role, weight) = match policy {
-                Some(p) if p.canary.as_ref().is_some_and(|c| &c.version == v) => {
-                    let w = p.canary.as_ref().map(|c| c.weight).unwrap_or(0);
-                    ("canary", w)
-                }
-                Some(p) if &p.stable == v => {
-                    let canary = p.canary.as_ref().map(|c| c.weight).unwrap_or(0);
-                    ("stable", 100 - canary.min(100))
-                }
-                _ => ("", 0),
-            };
-            let registered: Vec<_> = snapshot
-                .workers
-                .iter()
-                .filter(|w| w.model == m && &w.version == v)
-                .collect();
-            let ready = registered
-                .iter()
-                .filter(|w| !snapshot.drains.contains_key(&w.worker_id))
-                .filter(|w| {
-                    snapshot.stats.iter().any(|s| {
-                        s.record
-                            .workers
-                            .get(&w.worker_id)
-                            .is_some_and(|view| view.healthy && !view.draining)
-                    })
-                })
-                .count();
-            let w = analysis::window(&now, &base, v);
+        let now = snapshot.counters(&m);
+        let base = base_snapshot.counters(&m);
+        let rollout = rollout_label(snapshot, &m);
+        for v in versions(snapshot, &m, policy) {
+            let (role, weight) = role_and_weight(policy, &v);
+            let (ready, registered) = worker_counts(snapshot, &m, &v);
+            let w = analysis::window(&now, &base, &v);
             let rps = if window_s > 0.0 {
                 w.requests as f64 / window_s
             } else {
@@ -170,11 +124,11 @@ pub fn mesh_status(
             };
             rows.push(v1::VersionStatus {
                 model: m.clone(),
-                version: v.clone(),
+                version: v,
                 role: role.into(),
                 weight,
-                ready_workers: ready as u32,
-                registered_workers: registered.len() as u32,
+                ready_workers: ready,
+                registered_workers: registered,
                 requests_per_second: rps,
                 error_rate: w.error_rate(),
                 ttft_p99_ms: w.ttft_p99_ms(),
@@ -183,4 +137,73 @@ pub fn mesh_status(
         }
     }
     (rows, window_s)
+}
+
+/// The versions of `model` worth a row, sorted: those with registered workers
+/// and those the policy names, even with no worker (a policy pointing at
+/// nothing is what an operator needs to see).
+fn versions(snapshot: &Snapshot, model: &str, policy: Option<&PolicyRecord>) -> BTreeSet<String> {
+    let mut versions: BTreeSet<String> = snapshot.registered_versions(model).into_iter().collect();
+    if let Some(p) = policy {
+        versions.insert(p.stable.clone());
+        if let Some(c) = &p.canary {
+            versions.insert(c.version.clone());
+        }
+    }
+    versions
+}
+
+/// The role `version` plays in the policy and the traffic share it gets.
+fn role_and_weight(policy: Option<&PolicyRecord>, version: &str) -> (&'static str, u32) {
+    match policy {
+        Some(p) if p.canary.as_ref().is_some_and(|c| c.version == version) => {
+            let w = p.canary.as_ref().map(|c| c.weight).unwrap_or(0);
+            ("canary", w)
+        }
+        Some(p) if p.stable == version => {
+            let canary = p.canary.as_ref().map(|c| c.weight).unwrap_or(0);
+            ("stable", 100 - canary.min(100))
+        }
+        _ => ("", 0),
+    }
+}
+
+/// (ready, registered) workers of one version: ready means not drained and
+/// healthy, not draining, in at least one router's view.
+fn worker_counts(snapshot: &Snapshot, model: &str, version: &str) -> (u32, u32) {
+    let registered: Vec<_> = snapshot
+        .workers
+        .iter()
+        .filter(|w| w.model == model && w.version == version)
+        .collect();
+    let ready = registered
+        .iter()
+        .filter(|w| !snapshot.drains.contains_key(&w.worker_id))
+        .filter(|w| {
+            snapshot.stats.iter().any(|s| {
+                s.record
+                    .workers
+                    .get(&w.worker_id)
+                    .is_some_and(|view| view.healthy && !view.draining)
+            })
+        })
+        .count();
+    (ready as u32, registered.len() as u32)
+}
+
+/// "step N/M at W%" for a running rollout of `model`; empty otherwise.
+fn rollout_label(snapshot: &Snapshot, model: &str) -> String {
+    snapshot
+        .rollouts
+        .get(model)
+        .filter(|r| r.value.state == State::Running)
+        .map(|r| {
+            format!(
+                "step {}/{} at {}%",
+                r.value.step + 1,
+                r.value.steps.len(),
+                r.value.weight()
+            )
+        })
+        .unwrap_or_default()
 }

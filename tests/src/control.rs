@@ -1,5 +1,6 @@
 //! Control-plane processes for the end-to-end suites.
-use crate::{bin, channel, free_port, Creds, Proc};
+use crate::pki::{channel, Creds};
+use crate::process::{bin, free_port, Proc};
 use anyhow::{bail, Result};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -9,7 +10,9 @@ use tonic::transport::Channel;
 
 /// A `tokenmesh-control` replica.
 pub struct ControlProc {
+    /// Its `--control-id`.
     pub id: String,
+    /// `http://127.0.0.1:PORT` of the Control API.
     pub addr: String,
     pub proc: Proc,
     /// What the harness's own clients present (mTLS only).
@@ -19,12 +22,17 @@ pub struct ControlProc {
 /// Options for a control-plane replica.
 #[derive(Clone, Debug)]
 pub struct ControlOpts {
+    /// `--control-id`.
     pub id: String,
+    /// `--etcd` URL.
     pub etcd: String,
     /// `--tls-dir` of the replica and the credentials the harness probes with.
     pub tls: Option<(PathBuf, Creds)>,
+    /// `--election-ttl-s`: short, so that failover tests do not wait long.
     pub election_ttl_s: u64,
+    /// `--analysis-interval-ms`.
     pub analysis_interval_ms: u64,
+    /// Further flags, appended last.
     pub extra: Vec<String>,
 }
 

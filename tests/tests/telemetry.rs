@@ -239,25 +239,6 @@ async fn requests_succeed_with_the_collector_down() {
     }
 }
 
-/// GET /metrics over plain HTTP/1.1.
-async fn scrape(addr: &str) -> prometheus_parse::Scrape {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    s.write_all(
-        format!("GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes(),
-    )
-    .await
-    .unwrap();
-    let mut body = String::new();
-    s.read_to_string(&mut body).await.unwrap();
-    let text = body
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b)
-        .unwrap_or_default();
-    let lines = text.lines().map(|l| Ok(l.to_string()));
-    prometheus_parse::Scrape::parse(lines).expect("Prometheus text format")
-}
-
 fn sum(scrape: &prometheus_parse::Scrape, name: &str, label: Option<(&str, &str)>) -> f64 {
     scrape
         .samples

@@ -7,19 +7,10 @@
 //! (`TOKENMESH_THREADS` sets the compute threads, as the worker's
 //! `--threads` does; default: every core).
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use std::path::PathBuf;
+use tokenmesh_tests::model_path;
 use tokenmesh_worker::engine::kv_pool::{KvCache, KvPool};
 use tokenmesh_worker::engine::llama::SeqStep;
 use tokenmesh_worker::engine::LoadedModel;
-
-fn model_path() -> PathBuf {
-    std::env::var_os("TOKENMESH_TEST_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var_os("HOME").expect("HOME"))
-                .join(".cache/tokenmesh/models/SmolLM2-135M-Instruct.Q4_1.gguf")
-        })
-}
 
 /// `n` sequences, each with `context` tokens already in its cache.
 fn prefilled(model: &LoadedModel, pool: &mut KvPool, n: usize, context: usize) -> Vec<KvCache> {

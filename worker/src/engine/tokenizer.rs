@@ -438,31 +438,8 @@ fn as_i32(v: &Value) -> Option<i32> {
 mod tests {
     use super::*;
     use candle_core::quantized::gguf_file::VersionedMagic;
-    use std::path::PathBuf;
     use std::sync::OnceLock;
-
-    /// The model file: `TOKENMESH_TEST_MODEL`, else the default model's cache
-    /// path. A missing file fails the test: these checks must not skip.
-    fn model_path() -> PathBuf {
-        let p = std::env::var_os("TOKENMESH_TEST_MODEL")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| {
-                let home = std::env::var_os("HOME")
-                    .map(PathBuf::from)
-                    .unwrap_or_default();
-                let cache = std::env::var_os("TOKENMESH_MODEL_CACHE")
-                    .map(PathBuf::from)
-                    .unwrap_or_else(|| home.join(".cache/tokenmesh/models"));
-                cache.join("SmolLM2-135M-Instruct.Q4_1.gguf")
-            });
-        assert!(
-            p.is_file(),
-            "model file {} is missing: fetch it with `meshctl fetch-model` or scripts/test.sh, \
-             or set TOKENMESH_TEST_MODEL",
-            p.display()
-        );
-        p
-    }
+    use tokenmesh_tests::model_path;
 
     fn content() -> &'static Content {
         static CONTENT: OnceLock<Content> = OnceLock::new();

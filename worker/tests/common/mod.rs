@@ -2,28 +2,12 @@
 //! greedy reply through a backend.
 #![allow(dead_code)] // each test binary uses its own part
 
-use std::path::PathBuf;
+pub use tokenmesh_tests::model_path;
 use tokenmesh_worker::engine::backend::Backend;
 use tokenmesh_worker::engine::chat_template::ChatTurn;
 use tokenmesh_worker::engine::kv_pool::{KvCache, KvPool};
 use tokenmesh_worker::engine::llama::{argmax, SeqStep};
 use tokenmesh_worker::engine::LoadedModel;
-
-/// `TOKENMESH_TEST_MODEL`, else the default model in the cache
-/// (`scripts/test.sh` fetches it).
-pub fn model_path() -> PathBuf {
-    if let Some(p) = std::env::var_os("TOKENMESH_TEST_MODEL") {
-        return p.into();
-    }
-    let home = PathBuf::from(std::env::var_os("HOME").expect("HOME"));
-    let p = home.join(".cache/tokenmesh/models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert!(
-        p.is_file(),
-        "{} missing: run scripts/test.sh, which fetches it",
-        p.display()
-    );
-    p
-}
 
 /// Runs `feed` through `llama` after what `cache` holds; the logits of its
 /// last token.

@@ -1,0 +1,141 @@
+//! A real single-node etcd on free loopback ports, plaintext or with mutual TLS.
+use crate::pki::{Creds, Pki};
+use crate::process::{free_port, which, Proc};
+use anyhow::{bail, Context, Result};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+use tokenmesh_certs::Role;
+
+/// A single-node etcd from Debian's etcd-server package.
+pub struct Etcd {
+    /// The client URL, `http://` or `https://`.
+    pub url: String,
+    /// With TLS: what [`Etcd::client`] presents.
+    pub creds: Option<Creds>,
+    _proc: Proc,
+    _dir: tempfile::TempDir,
+}
+
+/// etcd client options, with mutual TLS when `creds` are given.
+fn etcd_options(creds: Option<&Creds>) -> Result<Option<etcd_client::ConnectOptions>> {
+    Ok(match creds {
+        Some(c) => Some(etcd_client::ConnectOptions::new().with_tls(c.tls_config()?)),
+        None => None,
+    })
+}
+
+impl Etcd {
+    /// Starts etcd on free loopback ports and waits until it answers.
+    pub async fn start() -> Result<Self> {
+        Self::start_opts(None).await
+    }
+
+    /// Starts etcd serving `https://` and demanding client certificates of
+    /// `pki`'s CA (etcd's own client-certificate auth).
+    pub async fn start_tls(pki: &Pki) -> Result<Self> {
+        // etcd is no mesh role: any leaf of the mesh CA with its address in
+        // the SANs can serve it; a `control` leaf named etcd is used.
+        let server = pki.issue(Role::Control, "etcd")?;
+        let probe = pki.creds(Role::Client, "etcd-probe")?;
+        Self::start_opts(Some((server, probe))).await
+    }
+
+    async fn start_opts(tls: Option<(PathBuf, Creds)>) -> Result<Self> {
+        let dir = tempfile::tempdir()?;
+        let (client, peer) = (free_port(), free_port());
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        let url = format!("{scheme}://127.0.0.1:{client}");
+        let peer_url = format!("http://127.0.0.1:{peer}");
+        let args: Vec<String> = [
+            "--name",
+            "test",
+            "--data-dir",
+            &dir.path().join("data").display().to_string(),
+            "--listen-client-urls",
+            &url,
+            "--advertise-client-urls",
+            &url,
+            "--listen-peer-urls",
+            &peer_url,
+            "--initial-advertise-peer-urls",
+            &peer_url,
+            "--initial-cluster",
+            &format!("test={peer_url}"),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let mut args = args;
+        if let Some((server, _)) = &tls {
+            let f = |n: &str| server.join(n).display().to_string();
+            args.extend([
+                "--cert-file".into(),
+                f("control.pem"),
+                "--key-file".into(),
+                f("control.key"),
+                "--trusted-ca-file".into(),
+                f("ca.pem"),
+                "--client-cert-auth".into(),
+            ]);
+        }
+        let creds = tls.map(|t| t.1);
+        let etcd = which("etcd").context("etcd is not installed (apt-get install etcd-server)")?;
+        let mut proc = Proc::spawn("etcd", &etcd, &args, dir.path())?;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Ok(mut c) =
+                etcd_client::Client::connect([url.as_str()], etcd_options(creds.as_ref())?).await
+            {
+                if c.get("probe", None).await.is_ok() {
+                    break;
+                }
+            }
+            if !proc.running() || Instant::now() > deadline {
+                bail!("etcd did not start:\n{}", proc.log_text());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Ok(Self {
+            url,
+            creds,
+            _proc: proc,
+            _dir: dir,
+        })
+    }
+
+    /// Stops etcd (SIGKILL), as an outage.
+    pub fn kill(&mut self) {
+        self._proc.signal(nix::sys::signal::Signal::SIGKILL);
+        let _ = self._proc.wait_exit(Duration::from_secs(5));
+    }
+
+    /// Every key under `prefix` with its value and lease id.
+    pub async fn get_prefix(&self, prefix: &str) -> Vec<(String, String, i64)> {
+        let resp = self
+            .client()
+            .await
+            .get(prefix, Some(etcd_client::GetOptions::new().with_prefix()))
+            .await
+            .expect("reading the test etcd");
+        resp.kvs()
+            .iter()
+            .map(|kv| {
+                (
+                    kv.key_str().unwrap_or_default().to_string(),
+                    kv.value_str().unwrap_or_default().to_string(),
+                    kv.lease(),
+                )
+            })
+            .collect()
+    }
+
+    /// A client.
+    pub async fn client(&self) -> etcd_client::Client {
+        etcd_client::Client::connect(
+            [self.url.as_str()],
+            etcd_options(self.creds.as_ref()).expect("etcd client credentials"),
+        )
+        .await
+        .expect("connecting to the test etcd")
+    }
+}

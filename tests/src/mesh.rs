@@ -1,0 +1,283 @@
+//! Workers and routers as real processes, started on free loopback ports and
+//! awaited with readiness probes, and the static discovery file that joins
+//! them without etcd.
+use crate::model::{model_path, MODEL};
+use crate::pki::{channel, Creds};
+use crate::process::{bin, eventually, free_port, Proc};
+use anyhow::{bail, Result};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+use tokenmesh_proto::v1::inference_client::InferenceClient;
+use tokenmesh_proto::v1::worker_client::WorkerClient;
+use tokenmesh_proto::v1::{ListModelsRequest, StatusRequest};
+use tonic::transport::Channel;
+
+/// A worker process.
+pub struct WorkerProc {
+    /// Its `--worker-id`.
+    pub id: String,
+    /// `http://127.0.0.1:PORT` of the Worker API.
+    pub addr: String,
+    pub proc: Proc,
+    /// What the harness's own clients present (mTLS workers only).
+    pub creds: Option<Creds>,
+}
+
+/// Options for a worker.
+#[derive(Clone, Debug)]
+pub struct WorkerOpts {
+    /// `--worker-id`.
+    pub id: String,
+    /// `--model-version`.
+    pub version: String,
+    /// `--etcd` URL; none: not registered anywhere.
+    pub etcd: Option<String>,
+    /// Further flags, appended last.
+    pub extra: Vec<String>,
+    /// Run the synthetic engine at this many tokens/s per sequence instead
+    /// of the real model.
+    pub synthetic_tokens_per_sec: Option<f64>,
+    /// Serve mutual TLS from this `--tls-dir` instead of `--insecure`; the
+    /// harness then probes with `probe` (a router certificate).
+    pub tls: Option<(PathBuf, Creds)>,
+}
+
+impl WorkerOpts {
+    /// A synthetic worker serving [`MODEL`] at `tokens_per_sec`, registered
+    /// in `etcd`, with the `extra` flags.
+    pub fn synthetic(
+        id: &str,
+        version: &str,
+        tokens_per_sec: f64,
+        etcd: &str,
+        extra: &[&str],
+    ) -> Self {
+        let mut flags: Vec<String> = vec!["--model-name".into(), MODEL.into()];
+        flags.extend(extra.iter().map(|s| s.to_string()));
+        Self {
+            version: version.into(),
+            etcd: Some(etcd.into()),
+            extra: flags,
+            synthetic_tokens_per_sec: Some(tokens_per_sec),
+            ..Self::new(id)
+        }
+    }
+
+    /// A worker with this id, version v1, no etcd.
+    pub fn new(id: &str) -> Self {
+        Self {
+            id: id.into(),
+            version: "v1".into(),
+            etcd: None,
+            extra: vec![],
+            synthetic_tokens_per_sec: None,
+            tls: None,
+        }
+    }
+}
+
+impl WorkerProc {
+    /// Starts a worker (the real model unless `opts` asks for the synthetic
+    /// engine) and waits until it serves.
+    pub async fn start(opts: WorkerOpts, dir: &Path) -> Result<Self> {
+        let port = free_port();
+        let mut args: Vec<String> = transport_args(opts.tls.as_ref().map(|t| t.0.as_path()));
+        args.extend([
+            "--listen".into(),
+            format!("127.0.0.1:{port}"),
+            "--model-version".into(),
+            opts.version.clone(),
+            "--worker-id".into(),
+            opts.id.clone(),
+        ]);
+        match opts.synthetic_tokens_per_sec {
+            Some(rate) => args.extend([
+                "--engine".into(),
+                "synthetic".into(),
+                "--synthetic-tokens-per-sec".into(),
+                rate.to_string(),
+            ]),
+            None => args.extend([
+                "--model".into(),
+                model_path().display().to_string(),
+                "--threads".into(),
+                "1".into(),
+            ]),
+        }
+        if let Some(e) = &opts.etcd {
+            args.extend(["--etcd".into(), e.clone()]);
+        }
+        args.extend(opts.extra.iter().cloned());
+        let mut proc = Proc::spawn(&opts.id, &bin("tokenmesh-worker"), &args, dir)?;
+        let addr = format!("http://127.0.0.1:{port}");
+        let creds = opts.tls.as_ref().map(|t| t.1.clone());
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Ok(ch) = channel(&addr, creds.as_ref()).await {
+                if WorkerClient::new(ch).status(StatusRequest {}).await.is_ok() {
+                    break;
+                }
+            }
+            if !proc.running() || Instant::now() > deadline {
+                bail!("worker {} did not start:\n{}", opts.id, proc.log_text());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Ok(Self {
+            id: opts.id,
+            addr,
+            proc,
+            creds,
+        })
+    }
+
+    /// A Worker client.
+    pub async fn client(&self) -> WorkerClient<Channel> {
+        WorkerClient::new(
+            channel(&self.addr, self.creds.as_ref())
+                .await
+                .expect("connecting to a worker"),
+        )
+    }
+}
+
+/// `--tls-dir DIR`, or `--insecure` without one.
+fn transport_args(tls_dir: Option<&Path>) -> Vec<String> {
+    match tls_dir {
+        Some(d) => vec!["--tls-dir".into(), d.display().to_string()],
+        None => vec!["--insecure".into()],
+    }
+}
+
+/// A router process.
+pub struct RouterProc {
+    /// `http://127.0.0.1:PORT` of the Inference API.
+    pub addr: String,
+    pub proc: Proc,
+    /// What the harness's own clients present (mTLS routers only).
+    pub creds: Option<Creds>,
+}
+
+impl RouterProc {
+    /// Starts a plaintext router with the given discovery arguments and waits until it serves.
+    pub async fn start(discovery: &[String], dir: &Path) -> Result<Self> {
+        Self::start_tls(discovery, None, dir).await
+    }
+
+    /// Starts a router; with `tls` = (its `--tls-dir`, the client
+    /// credentials the harness probes with) it serves mutual TLS.
+    pub async fn start_tls(
+        discovery: &[String],
+        tls: Option<(PathBuf, Creds)>,
+        dir: &Path,
+    ) -> Result<Self> {
+        let port = free_port();
+        let mut args: Vec<String> = transport_args(tls.as_ref().map(|t| t.0.as_path()));
+        args.extend([
+            "--listen".into(),
+            format!("127.0.0.1:{port}"),
+            "--status-interval-ms".into(),
+            "200".into(),
+        ]);
+        args.extend(discovery.iter().cloned());
+        let mut proc = Proc::spawn("router", &bin("tokenmesh-router"), &args, dir)?;
+        let addr = format!("http://127.0.0.1:{port}");
+        let creds = tls.map(|t| t.1);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(ch) = channel(&addr, creds.as_ref()).await {
+                if InferenceClient::new(ch)
+                    .list_models(ListModelsRequest {})
+                    .await
+                    .is_ok()
+                {
+                    break;
+                }
+            }
+            if !proc.running() || Instant::now() > deadline {
+                bail!("router did not start:\n{}", proc.log_text());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Ok(Self { addr, proc, creds })
+    }
+
+    /// An Inference client.
+    pub async fn client(&self) -> InferenceClient<Channel> {
+        InferenceClient::new(
+            channel(&self.addr, self.creds.as_ref())
+                .await
+                .expect("connecting to the router"),
+        )
+    }
+
+    /// Waits until the router sees exactly `want` ready workers of `model`.
+    pub async fn wait_ready_workers(
+        &self,
+        model: &str,
+        want: usize,
+        timeout: Duration,
+    ) -> Result<Vec<String>> {
+        let deadline = Instant::now() + timeout;
+        let mut client = self.client().await;
+        loop {
+            let resp = client.list_models(ListModelsRequest {}).await?.into_inner();
+            let ready: Vec<String> = resp
+                .models
+                .iter()
+                .filter(|m| m.name == model)
+                .flat_map(|m| m.versions.iter().flat_map(|v| v.worker_ids.clone()))
+                .collect();
+            if ready.len() == want {
+                return Ok(ready);
+            }
+            if Instant::now() > deadline {
+                bail!("router sees {ready:?}, wanted {want} ready workers");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+/// Writes a static discovery file listing `workers` (all serving `MODEL` v1)
+/// into `dir`; returns its path for `--static`.
+pub fn static_file(dir: &Path, workers: &[&WorkerProc]) -> String {
+    let mut toml = String::new();
+    for w in workers {
+        toml.push_str(&format!(
+            "[[workers]]\nid = \"{}\"\nmodel = \"{MODEL}\"\nversion = \"v1\"\naddr = \"{}\"\n\n",
+            w.id, w.addr
+        ));
+    }
+    let path = dir.join("static.toml");
+    std::fs::write(&path, toml).expect("writing the static discovery file");
+    path.display().to_string()
+}
+
+/// Waits up to `timeout` until the worker reports no active sequence.
+pub async fn wait_idle(worker: &WorkerProc, timeout: Duration) -> bool {
+    let wc = worker.client().await;
+    eventually(timeout, || {
+        let mut wc = wc.clone();
+        async move {
+            wc.status(StatusRequest {})
+                .await
+                .map(|s| s.into_inner().active_sequences == 0)
+                .unwrap_or(false)
+        }
+    })
+    .await
+}
+
+/// A plaintext router over a static file listing `workers`, started with the
+/// `extra` flags, once every listed worker is ready behind it.
+pub async fn static_router(dir: &Path, workers: &[&WorkerProc], extra: &[&str]) -> RouterProc {
+    let mut args = vec!["--static".to_string(), static_file(dir, workers)];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let router = RouterProc::start(&args, dir).await.expect("router starts");
+    router
+        .wait_ready_workers(MODEL, workers.len(), Duration::from_secs(20))
+        .await
+        .expect("every worker becomes ready behind the router");
+    router
+}
