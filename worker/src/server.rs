@@ -229,7 +229,7 @@ fn record_outcome(labels: &Labels, code: tonic::Code) {
     let mut with_code: Vec<(&'static str, String)> = labels.to_vec();
     with_code.push(("code", tokenmesh_proto::codes::code_name(code).to_string()));
     metrics::counter!("llm_request_total", &with_code).increment(1);
-    if !matches!(code, tonic::Code::Ok | tonic::Code::Cancelled) {
+    if tokenmesh_proto::codes::classify(code).is_failure() {
         metrics::counter!("llm_request_errors_total", labels).increment(1);
     }
 }
@@ -240,7 +240,7 @@ impl Drop for Relay {
         metrics::histogram!("llm_request_duration_seconds", &self.labels)
             .record(self.started.elapsed().as_secs_f64());
         record_outcome(&self.labels, self.code);
-        if !matches!(self.code, tonic::Code::Ok | tonic::Code::Cancelled) {
+        if tokenmesh_proto::codes::classify(self.code).is_failure() {
             self.span.record("otel.status_code", "ERROR");
         }
     }
