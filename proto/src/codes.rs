@@ -14,8 +14,9 @@
 //! Why these rows:
 //! - INTERNAL and UNKNOWN are retried: from a worker they mean its engine
 //!   failed (a model error, the synthetic engine's injected fault) or the
-//!   connection broke in a way tonic reports as UNKNOWN; another worker may
-//!   well succeed, and a stream that breaks with them after tokens were sent
+//!   connection failed in a way tonic reports as UNKNOWN (a worker that
+//!   refuses connections comes back as UNKNOWN "transport error", as the
+//!   router's component tests show); another worker may well succeed, and a stream that breaks with them after tokens were sent
 //!   continues elsewhere (a client then sees UNAVAILABLE only if no worker
 //!   can continue, as the end-to-end stats and canary tests expect).
 //! - The client-error rows are the caller's own doing: the next worker would
