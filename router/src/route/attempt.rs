@@ -23,6 +23,7 @@ use tracing::Span;
 
 /// A worker stream that has been opened, with the worker it runs on.
 pub struct Upstream {
+    /// The worker's messages.
     pub stream: Streaming<GenerateResponse>,
     /// Counts the stream in the worker's load until dropped.
     pub guard: InFlight,
@@ -40,7 +41,9 @@ pub struct Upstream {
 /// replace it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Backoff {
+    /// Ceiling of the first retry's wait.
     pub base: Duration,
+    /// Ceiling of any wait.
     pub max: Duration,
 }
 

@@ -53,6 +53,7 @@ pub struct RouteSettings {
 /// One request as the gRPC edge hands it over: validated, with a request id.
 #[derive(Debug)]
 pub struct Incoming {
+    /// The client's request, with its `request_id` set.
     pub request: GenerateRequest,
     /// The caller, for per-identity limits.
     pub identity: String,
@@ -68,8 +69,11 @@ pub struct Incoming {
 
 /// A request routed to its first worker; the stream is carried on in a task.
 pub struct Routed {
+    /// The version serving the request.
     pub version: String,
+    /// The first worker serving it (a failover may move it).
     pub worker_id: String,
+    /// The client's messages, numbered, across failovers.
     pub stream: ReceiverStream<Result<GenerateResponse, Status>>,
 }
 
