@@ -18,7 +18,7 @@ pub async fn run(
     leading: watch::Sender<bool>,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    let mut backoff = Backoff::reconnect();
+    let mut backoff = Backoff::RECONNECT.retries();
     loop {
         if *shutdown.borrow() {
             return;

@@ -66,6 +66,47 @@ pub struct RouterConfig {
     #[arg(long, env = "TOKENMESH_MAX_FAILOVERS", default_value_t = 2)]
     pub max_failovers: u32,
 
+    /// Retry budget, per model version: retries and failovers allowed per
+    /// request received (0.2 = one in five, up to 1000), over the last
+    /// --retry-budget-ttl-s seconds. Past it a request fails with its last
+    /// error rather than being retried.
+    #[arg(
+        long,
+        env = "TOKENMESH_RETRY_BUDGET_RATIO",
+        default_value_t = 0.2,
+        value_parser = parse_ratio
+    )]
+    pub retry_budget_ratio: f32,
+
+    /// Retries per second the budget allows whatever the traffic, so a quiet
+    /// version can still retry.
+    #[arg(
+        long,
+        env = "TOKENMESH_RETRY_BUDGET_MIN_PER_SEC",
+        default_value_t = 10,
+        value_parser = clap::value_parser!(u32).range(0..=1_000_000)
+    )]
+    pub retry_budget_min_per_sec: u32,
+
+    /// How long a request counts towards the retry budget, in seconds (1 to 60).
+    #[arg(
+        long,
+        env = "TOKENMESH_RETRY_BUDGET_TTL_S",
+        default_value_t = 10,
+        value_parser = clap::value_parser!(u64).range(1..=60)
+    )]
+    pub retry_budget_ttl_s: u64,
+
+    /// Backoff before the first retry of a request, in milliseconds; it
+    /// doubles per retry up to --retry-backoff-max-ms, and each wait is drawn
+    /// at random below that (full jitter).
+    #[arg(long, env = "TOKENMESH_RETRY_BACKOFF_BASE_MS", default_value_t = 10)]
+    pub retry_backoff_base_ms: u64,
+
+    /// Longest backoff between two attempts of a request, in milliseconds.
+    #[arg(long, env = "TOKENMESH_RETRY_BACKOFF_MAX_MS", default_value_t = 200)]
+    pub retry_backoff_max_ms: u64,
+
     /// Streams in flight through this router; beyond it requests queue.
     #[arg(long, env = "TOKENMESH_MAX_IN_FLIGHT", default_value_t = 1024)]
     pub max_in_flight: usize,
@@ -132,6 +173,23 @@ impl RouterConfig {
         }
     }
 
+    /// Request-path settings: attempts, failovers, backoff, retry budget.
+    pub fn routing(&self) -> crate::route::RouteSettings {
+        crate::route::RouteSettings {
+            max_attempts: self.max_attempts,
+            max_failovers: self.max_failovers,
+            backoff: tokenmesh_runtime::Backoff {
+                base: Duration::from_millis(self.retry_backoff_base_ms),
+                max: Duration::from_millis(self.retry_backoff_max_ms),
+            },
+            retry_budget: crate::route::retry_budget::RetryBudgetConfig {
+                ratio: self.retry_budget_ratio,
+                min_per_sec: self.retry_budget_min_per_sec,
+                ttl: Duration::from_secs(self.retry_budget_ttl_s),
+            },
+        }
+    }
+
     /// Channel settings for worker connections.
     pub fn channel(&self) -> ChannelSettings {
         ChannelSettings {
@@ -143,6 +201,17 @@ impl RouterConfig {
     }
 }
 
+/// `--retry-budget-ratio`: a finite number in 0..=1000 (what tower's
+/// `TpsBudget` accepts).
+fn parse_ratio(s: &str) -> Result<f32, String> {
+    let ratio: f32 = s.parse().map_err(|e| format!("{e}"))?;
+    if ratio.is_finite() && (0.0..=1000.0).contains(&ratio) {
+        Ok(ratio)
+    } else {
+        Err(format!("{ratio} is not in 0..=1000"))
+    }
+}
+
 /// How the router talks to workers.
 #[derive(Clone, Debug)]
 pub struct ChannelSettings {
@@ -150,4 +219,37 @@ pub struct ChannelSettings {
     pub keepalive_timeout: Duration,
     pub connect_timeout: Duration,
     pub status_interval: Duration,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_flags_have_small_defaults_and_are_checked() {
+        let cfg = RouterConfig::try_parse_from(["tokenmesh-router"]).unwrap();
+        let r = cfg.routing();
+        assert_eq!(r.retry_budget, Default::default());
+        assert_eq!(r.backoff.base, Duration::from_millis(10));
+        assert_eq!(r.backoff.max, Duration::from_millis(200));
+        for bad in [
+            ["--retry-budget-ratio", "-1"],
+            ["--retry-budget-ratio", "NaN"],
+            ["--retry-budget-ratio", "1001"],
+            ["--retry-budget-ttl-s", "0"],
+            ["--retry-budget-ttl-s", "61"],
+        ] {
+            let parsed = RouterConfig::try_parse_from(["tokenmesh-router", bad[0], bad[1]]);
+            assert!(parsed.is_err(), "{bad:?}");
+        }
+        let cfg = RouterConfig::try_parse_from([
+            "tokenmesh-router",
+            "--retry-budget-ratio",
+            "0",
+            "--retry-budget-min-per-sec",
+            "0",
+        ])
+        .unwrap();
+        assert_eq!(cfg.routing().retry_budget.ratio, 0.0);
+    }
 }

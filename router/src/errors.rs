@@ -34,6 +34,19 @@ pub enum RouterError {
     Overloaded(#[from] crate::admission::Rejected),
     #[error("deadline exceeded after {delivered} tokens were delivered")]
     DeadlineExceeded { delivered: usize },
+    /// Every worker tried refused with a retryable status; the client gets
+    /// the last one's code.
+    #[error("no worker could take the request: {message}")]
+    AttemptsFailed { code: Code, message: String },
+    /// A retry was due but the version's retry budget was spent; the client
+    /// gets the last error's code (UNAVAILABLE if there was none, after a
+    /// stream was lost).
+    #[error("retry budget exhausted, not retrying{}", last.as_ref().map(|(_, m)| format!("; last error: {m}")).unwrap_or_default())]
+    RetryBudgetExhausted { last: Option<(Code, String)> },
+    /// A worker refused with a status that no other worker would change; it
+    /// reaches the client as the worker sent it.
+    #[error("{}", .0.message())]
+    Worker(Status),
 }
 
 fn list(v: &[String]) -> String {
@@ -47,16 +60,28 @@ fn list(v: &[String]) -> String {
 impl RouterError {
     /// The status a client sees.
     pub fn into_status(self) -> Status {
+        let retry_after = match &self {
+            RouterError::Overloaded(r) => Some(r.retry_after_ms()),
+            _ => None,
+        };
         let code = match &self {
+            RouterError::Worker(status) => status.code(),
+            RouterError::AttemptsFailed { code, .. } => *code,
+            RouterError::RetryBudgetExhausted { last } => {
+                last.as_ref().map_or(Code::Unavailable, |(code, _)| *code)
+            }
             RouterError::Invalid(_) | RouterError::PinNotAllowed(_) => Code::InvalidArgument,
             RouterError::UnknownModel { .. } | RouterError::UnknownVersion { .. } => Code::NotFound,
             RouterError::NoWorker { .. } | RouterError::StreamLost { .. } => Code::Unavailable,
             RouterError::Overloaded(_) => Code::ResourceExhausted,
             RouterError::DeadlineExceeded { .. } => Code::DeadlineExceeded,
         };
-        let mut status = Status::new(code, self.to_string());
-        if let RouterError::Overloaded(r) = &self {
-            if let Ok(v) = r.retry_after_ms().to_string().parse() {
+        let mut status = match self {
+            RouterError::Worker(status) => return status,
+            other => Status::new(code, other.to_string()),
+        };
+        if let Some(ms) = retry_after {
+            if let Ok(v) = ms.to_string().parse() {
                 status.metadata_mut().insert("retry-after-ms", v);
             }
         }
@@ -70,16 +95,46 @@ impl From<RouterError> for Status {
     }
 }
 
-/// Whether an upstream failure may be retried on another worker: the worker
-/// was unreachable, overloaded or draining, as opposed to a request the next
-/// worker would refuse just the same.
-pub fn retryable(status: &Status) -> bool {
-    matches!(
-        status.code(),
-        Code::Unavailable
-            | Code::ResourceExhausted
-            | Code::Unknown
-            | Code::Internal
-            | Code::Aborted
-    )
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_failures_keep_the_last_workers_code_and_say_why() {
+        let s = RouterError::RetryBudgetExhausted {
+            last: Some((Code::ResourceExhausted, "queue full".into())),
+        }
+        .into_status();
+        assert_eq!(s.code(), Code::ResourceExhausted);
+        assert_eq!(
+            s.message(),
+            "retry budget exhausted, not retrying; last error: queue full"
+        );
+        let s = RouterError::RetryBudgetExhausted { last: None }.into_status();
+        assert_eq!(
+            (s.code(), s.message()),
+            (Code::Unavailable, "retry budget exhausted, not retrying")
+        );
+        let s = RouterError::AttemptsFailed {
+            code: Code::Internal,
+            message: "boom".into(),
+        }
+        .into_status();
+        assert_eq!(
+            (s.code(), s.message()),
+            (Code::Internal, "no worker could take the request: boom")
+        );
+    }
+
+    #[test]
+    fn a_workers_own_refusal_passes_through_unchanged() {
+        let mut refusal = Status::invalid_argument("emitted_token_ids: too long");
+        refusal
+            .metadata_mut()
+            .insert("x-why", "because".parse().unwrap());
+        let s = RouterError::Worker(refusal).into_status();
+        assert_eq!(s.code(), Code::InvalidArgument);
+        assert_eq!(s.message(), "emitted_token_ids: too long");
+        assert_eq!(s.metadata().get("x-why").unwrap(), "because");
+    }
 }

@@ -3,19 +3,17 @@
 #![forbid(unsafe_code)]
 
 pub mod admission;
-pub mod balance;
 pub mod config;
 pub mod discovery;
 pub mod errors;
-pub mod policy;
 pub mod registry;
-pub mod relay;
+pub mod route;
 pub mod server;
 pub mod stats;
 
 use config::RouterConfig;
 use registry::Registry;
-use server::{InferenceService, RoutingSettings};
+use server::InferenceService;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -60,10 +58,7 @@ pub async fn run(
     let service = InferenceService::new(
         registry,
         admission::Admission::new(cfg.admission()),
-        RoutingSettings {
-            max_attempts: cfg.max_attempts,
-            max_failovers: cfg.max_failovers,
-        },
+        cfg.routing(),
     );
     let bound = listener.local_addr().map_err(RunError::Listener)?;
     Server::new(

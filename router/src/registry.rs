@@ -2,12 +2,12 @@
 //! worker with its channel and live load. Discovery backends write it; the
 //! request path reads it.
 use crate::config::ChannelSettings;
-use crate::stats::Stats;
+use crate::stats::{Stats, WorkerViews};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, RwLock};
 use tokenmesh_certs::tls::{Identity, MeshTls, Role};
-use tokenmesh_proto::records::{PolicyRecord, WorkerRecord};
+use tokenmesh_proto::records::{PolicyRecord, WorkerRecord, WorkerView};
 use tokenmesh_proto::v1::worker_client::WorkerClient;
 use tokenmesh_proto::v1::StatusRequest;
 use tonic::transport::{Channel, Endpoint as TonicEndpoint};
@@ -310,6 +310,26 @@ impl Registry {
     }
 }
 
+impl WorkerViews for Registry {
+    fn worker_views(&self) -> BTreeMap<(String, String), BTreeMap<String, WorkerView>> {
+        let mut out: BTreeMap<(String, String), BTreeMap<String, WorkerView>> = BTreeMap::new();
+        for ep in self.workers.read().expect("registry lock").values() {
+            out.entry((ep.model.clone(), ep.version.clone()))
+                .or_default()
+                .insert(
+                    ep.id.clone(),
+                    WorkerView {
+                        healthy: ep.healthy.load(Ordering::SeqCst),
+                        draining: ep.is_draining(),
+                        in_flight: ep.in_flight.load(Ordering::SeqCst),
+                        queue_depth: ep.reported_queue.load(Ordering::SeqCst),
+                    },
+                );
+        }
+        out
+    }
+}
+
 /// Polls a worker's Status until the endpoint is dropped: health, load and
 /// draining come from here.
 async fn poll_status(
@@ -349,12 +369,15 @@ async fn poll_status(
     }
 }
 
+/// Registries and endpoints for unit tests: no worker behind them, and a
+/// status poller slow enough never to override the flags a test sets.
 #[cfg(test)]
-mod tests {
+pub(crate) mod testing {
     use super::*;
     use std::time::Duration;
 
-    fn registry() -> Arc<Registry> {
+    /// An empty plaintext registry.
+    pub fn registry() -> Arc<Registry> {
         Registry::new(
             ChannelSettings {
                 keepalive_interval: Duration::from_secs(30),
@@ -366,7 +389,14 @@ mod tests {
         )
     }
 
-    fn add(reg: &Registry, id: &str) -> Arc<Endpoint> {
+    /// Adds worker `id` of `model`/`version`, healthy if `healthy`.
+    pub fn add(
+        reg: &Registry,
+        id: &str,
+        model: &str,
+        version: &str,
+        healthy: bool,
+    ) -> Arc<Endpoint> {
         let record = WorkerRecord {
             addr: "http://127.0.0.1:9".into(),
             model_digest: String::new(),
@@ -376,14 +406,24 @@ mod tests {
             labels: Default::default(),
             started_at: String::new(),
         };
-        reg.upsert_worker(id, "m", "v1", record).unwrap();
-        let ep = reg.model("m").unwrap().versions["v1"]
+        reg.upsert_worker(id, model, version, record).unwrap();
+        let ep = reg.model(model).unwrap().versions[version]
             .iter()
             .find(|e| e.id == id)
             .unwrap()
             .clone();
-        ep.healthy.store(true, Ordering::SeqCst);
+        ep.healthy.store(healthy, Ordering::SeqCst);
         ep
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::testing::{add as add_to, registry};
+    use super::*;
+
+    fn add(reg: &Registry, id: &str) -> Arc<Endpoint> {
+        add_to(reg, id, "m", "v1", true)
     }
 
     #[tokio::test]

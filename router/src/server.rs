@@ -1,39 +1,33 @@
-//! The `tokenmesh.v1.Inference` gRPC service.
+//! The `tokenmesh.v1.Inference` gRPC service: the thin edge of the request
+//! path. It turns a call into an [`Incoming`] (identity, deadline, checks,
+//! pin and session from the message or its headers), hands it to
+//! [`Router::route`], and the result into a response; errors become statuses
+//! here, once.
 use crate::admission::Admission;
 use crate::errors::RouterError;
-use crate::policy::{choose_version, has_canary, VersionAsk};
 use crate::registry::Registry;
-use crate::relay::{self, RelayContext};
+use crate::route::version::has_canary;
+use crate::route::{Incoming, RouteSettings, Router};
 use std::sync::Arc;
 use std::time::Instant;
 use tokenmesh_proto::codes::code_name;
 use tokenmesh_proto::headers;
 use tokenmesh_proto::v1::inference_server::Inference;
 use tokenmesh_proto::v1::{
-    Accepted, GenerateRequest, GenerateResponse, ListModelsRequest, ListModelsResponse, ModelInfo,
+    GenerateRequest, GenerateResponse, ListModelsRequest, ListModelsResponse, ModelInfo,
     VersionInfo,
 };
 use tokenmesh_proto::validate::check_request;
 use tokenmesh_runtime::telemetry;
-use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
-/// Request-path settings.
-#[derive(Clone, Debug)]
-pub struct RoutingSettings {
-    pub max_attempts: u32,
-    pub max_failovers: u32,
-}
-
 /// Serves Generate and ListModels from the registry.
 #[derive(Clone)]
 pub struct InferenceService {
-    registry: Arc<Registry>,
-    admission: Arc<Admission>,
-    settings: RoutingSettings,
+    router: Arc<Router>,
 }
 
 impl InferenceService {
@@ -41,12 +35,10 @@ impl InferenceService {
     pub fn new(
         registry: Arc<Registry>,
         admission: Arc<Admission>,
-        settings: RoutingSettings,
+        settings: RouteSettings,
     ) -> Self {
         Self {
-            registry,
-            admission,
-            settings,
+            router: Arc::new(Router::new(registry, admission, settings)),
         }
     }
 }
@@ -64,117 +56,59 @@ fn identity_of<T>(request: &Request<T>) -> String {
         .unwrap_or_else(|| "unknown".into())
 }
 
+/// Reads one call: checks the request, gives it an id if it has none, and
+/// takes the pin and session from the message or else its headers.
+fn incoming(
+    request: Request<GenerateRequest>,
+    span: &tracing::Span,
+) -> Result<Incoming, RouterError> {
+    let started = Instant::now();
+    let deadline = tokenmesh_proto::deadline::grpc_timeout(request.metadata())
+        .map(|t| tokio::time::Instant::now() + t);
+    let identity = identity_of(&request);
+    span.record("identity", identity.as_str());
+    let md = request.metadata().clone();
+    let mut req = request.into_inner();
+    check_request(&req)?;
+    if req.request_id.is_empty() {
+        req.request_id = uuid::Uuid::new_v4().to_string();
+    }
+    span.record("request_id", req.request_id.as_str());
+    let pin = req
+        .version
+        .clone()
+        .filter(|v| !v.is_empty())
+        .or_else(|| header(&md, headers::VERSION).map(str::to_string));
+    let session = if req.session_id.is_empty() {
+        header(&md, headers::SESSION).map(str::to_string)
+    } else {
+        Some(req.session_id.clone())
+    };
+    Ok(Incoming {
+        request: req,
+        identity,
+        pin,
+        session,
+        deadline,
+        started,
+    })
+}
+
 impl InferenceService {
-    /// Admits, routes and opens the first upstream stream; the rest of the
-    /// stream is carried by the relay task, inside `span`.
+    /// Routes one call; the response carries the version and worker that
+    /// serve it in its metadata.
     async fn start(
         &self,
         request: Request<GenerateRequest>,
         span: tracing::Span,
-    ) -> Result<Response<ReceiverStream<Result<GenerateResponse, Status>>>, Status> {
-        let started = Instant::now();
-        let deadline = tokenmesh_proto::deadline::grpc_timeout(request.metadata())
-            .map(|t| tokio::time::Instant::now() + t);
-        let identity = identity_of(&request);
-        span.record("identity", identity.as_str());
-        let md = request.metadata().clone();
-        let mut req = request.into_inner();
-        check_request(&req).map_err(RouterError::from)?;
-        if req.request_id.is_empty() {
-            req.request_id = uuid::Uuid::new_v4().to_string();
-        }
-        span.record("request_id", req.request_id.as_str());
-        let pin = req
-            .version
-            .clone()
-            .filter(|v| !v.is_empty())
-            .or_else(|| header(&md, headers::VERSION).map(str::to_string));
-        let session = if req.session_id.is_empty() {
-            header(&md, headers::SESSION).map(str::to_string)
-        } else {
-            Some(req.session_id.clone())
-        };
-        let entry = self
-            .registry
-            .model(&req.model)
-            .ok_or_else(|| RouterError::UnknownModel {
-                asked: req.model.clone(),
-                available: self.registry.models().keys().cloned().collect(),
-            })?;
-        let route = tracing::info_span!(
-            "route",
-            policy = tracing::field::Empty,
-            pin = pin.as_deref().unwrap_or(""),
-            sticky = session.is_some(),
-            version = tracing::field::Empty,
-            arm = tracing::field::Empty,
-            candidates = tracing::field::Empty,
-            worker = tracing::field::Empty,
-            reason = tracing::field::Empty,
-            attempts = tracing::field::Empty,
-        );
-        if let Some(p) = &entry.policy {
-            route.record("policy", tracing::field::debug(p));
-        }
-        let choice = choose_version(
-            &req.model,
-            &entry,
-            VersionAsk {
-                pin: pin.as_deref(),
-                session: session.as_deref(),
-            },
-            &mut rand::rng(),
-        )?;
-        route.record("version", choice.version.as_str());
-        route.record("arm", tracing::field::debug(choice.arm));
-        span.record("version", choice.version.as_str());
-        span.record("arm", tracing::field::debug(choice.arm));
-        let permit = self
-            .admission
-            .admit(&identity)
-            .instrument(route.clone())
-            .await
-            .map_err(RouterError::from)?;
-        let mut tried = Vec::new();
-        let upstream = relay::open(
-            &self.registry,
-            &req,
-            &choice.version,
-            &[],
-            &mut tried,
-            self.settings.max_attempts,
-            deadline,
-        )
-        .instrument(route.clone())
-        .await?;
-        drop(route);
-        let worker_id = upstream.guard.endpoint().id.clone();
-        span.record("worker", worker_id.as_str());
-        let accepted = Accepted {
-            request_id: req.request_id.clone(),
-            model: req.model.clone(),
-            version: choice.version.clone(),
-            arm: choice.arm as i32,
-            worker_id: worker_id.clone(),
-        };
-        let (tx, rx) = mpsc::channel(32);
-        let ctx = RelayContext {
-            registry: self.registry.clone(),
-            request: req,
-            accepted,
-            max_attempts: self.settings.max_attempts,
-            max_failovers: self.settings.max_failovers,
-            tried,
-            started,
-            deadline,
-            permit,
-        };
-        tokio::spawn(relay::run(ctx, upstream, tx).instrument(span));
-        let mut response = Response::new(ReceiverStream::new(rx));
-        if let Ok(v) = choice.version.parse() {
+    ) -> Result<Response<ReceiverStream<Result<GenerateResponse, Status>>>, RouterError> {
+        let incoming = incoming(request, &span)?;
+        let routed = self.router.route(incoming, &span).await?;
+        let mut response = Response::new(routed.stream);
+        if let Ok(v) = routed.version.parse() {
             response.metadata_mut().insert(headers::VERSION, v);
         }
-        if let Ok(v) = worker_id.parse() {
+        if let Ok(v) = routed.worker_id.parse() {
             response.metadata_mut().insert(headers::WORKER, v);
         }
         Ok(response)
@@ -217,7 +151,8 @@ impl Inference for InferenceService {
             .await
         {
             Ok(r) => Ok(r),
-            Err(status) => {
+            Err(e) => {
+                let status = e.into_status();
                 span.record("otel.status_code", "ERROR");
                 span.record("error", status.message());
                 tracing::info!(parent: &span, code = ?status.code(), error = %status.message(), "refused");
@@ -234,7 +169,8 @@ impl Inference for InferenceService {
         _: Request<ListModelsRequest>,
     ) -> Result<Response<ListModelsResponse>, Status> {
         let models = self
-            .registry
+            .router
+            .registry()
             .models()
             .into_iter()
             .map(|(name, entry)| {

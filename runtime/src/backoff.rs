@@ -1,51 +1,69 @@
-//! Exponential backoff with jitter for reconnect loops.
+//! Exponential backoff with full jitter, for reconnect loops and for the
+//! router's retries alike.
 //!
-//! Every replica that lost etcd at the same moment would otherwise retry in
-//! lockstep (200 ms, 400 ms, … for all of them at once); "equal jitter" keeps
-//! half of each delay and draws the other half at random, so retries spread
-//! out while a delay never collapses to nothing.
+//! Every replica that lost etcd at the same moment, or every request that
+//! failed on the same worker, would otherwise come back in lockstep (200 ms,
+//! 400 ms, … for all of them at once). With full jitter the n-th wait is drawn
+//! uniformly in `[0, min(max, base * 2^(n-1))]`, which spreads them out.
 use rand::Rng;
 use std::time::Duration;
 use tokio::sync::watch;
 
-/// Doubling delays from `base` up to `max`, each with jitter.
-#[derive(Clone, Debug)]
+/// Doubling waits from `base` up to `max`, each drawn with full jitter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Backoff {
-    base: Duration,
-    max: Duration,
-    current: Duration,
+    /// Ceiling of the first wait.
+    pub base: Duration,
+    /// Ceiling of any wait.
+    pub max: Duration,
 }
 
 impl Backoff {
-    /// Delays from `base`, doubling up to `max`.
-    pub fn new(base: Duration, max: Duration) -> Self {
-        let max = max.max(base);
-        Self {
-            base,
-            max,
-            current: base,
-        }
-    }
-
     /// The reconnect policy for etcd and other control-path peers: 200 ms
     /// doubling to 5 s.
-    pub fn reconnect() -> Self {
-        Self::new(Duration::from_millis(200), Duration::from_secs(5))
+    pub const RECONNECT: Backoff = Backoff {
+        base: Duration::from_millis(200),
+        max: Duration::from_secs(5),
+    };
+
+    /// The longest wait before the `n`-th retry (1 for the first).
+    pub fn ceiling(&self, n: u32) -> Duration {
+        let doublings = n.saturating_sub(1).min(30);
+        self.base.saturating_mul(1 << doublings).min(self.max)
     }
 
-    /// The next delay (between half and all of the current step), and the
-    /// step doubles.
+    /// A wait before the `n`-th retry, drawn uniformly below the ceiling.
+    pub fn delay(&self, n: u32, rng: &mut impl Rng) -> Duration {
+        let ceiling = self.ceiling(n).as_micros() as u64;
+        Duration::from_micros(rng.random_range(0..=ceiling))
+    }
+
+    /// A loop's successive waits under this policy.
+    pub fn retries(self) -> Retries {
+        Retries {
+            backoff: self,
+            failures: 0,
+        }
+    }
+}
+
+/// The state of one retry loop: how many times in a row it failed.
+#[derive(Clone, Debug)]
+pub struct Retries {
+    backoff: Backoff,
+    failures: u32,
+}
+
+impl Retries {
+    /// The wait after one more failure.
     pub fn next_delay(&mut self) -> Duration {
-        let step = self.current;
-        self.current = (self.current * 2).min(self.max);
-        let half = step / 2;
-        let jitter = rand::rng().random_range(0..=half.as_micros() as u64);
-        half + Duration::from_micros(jitter)
+        self.failures = self.failures.saturating_add(1);
+        self.backoff.delay(self.failures, &mut rand::rng())
     }
 
     /// Back to the first step, after a success.
     pub fn reset(&mut self) {
-        self.current = self.base;
+        self.failures = 0;
     }
 
     /// Sleeps for the next delay; false if `shutdown` turned true (or its
@@ -70,37 +88,60 @@ impl Backoff {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rand::SeedableRng;
 
     #[test]
-    fn delays_double_with_jitter_and_cap() {
-        let mut b = Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
-        let steps = [200u64, 400, 800, 1600, 3200, 5000, 5000];
-        for step in steps {
-            let d = b.next_delay();
-            let step = Duration::from_millis(step);
-            assert!(
-                d >= step / 2 && d <= step,
-                "{d:?} outside [{:?}, {step:?}]",
-                step / 2
-            );
-        }
-        b.reset();
-        assert!(b.next_delay() <= Duration::from_millis(200));
+    fn ceilings_double_up_to_the_cap() {
+        let b = Backoff {
+            base: Duration::from_millis(10),
+            max: Duration::from_millis(50),
+        };
+        let ceilings: Vec<u64> = (1..=5).map(|n| b.ceiling(n).as_millis() as u64).collect();
+        assert_eq!(ceilings, [10, 20, 40, 50, 50]);
+        assert_eq!(b.ceiling(u32::MAX), Duration::from_millis(50));
     }
 
     #[test]
-    fn replicas_do_not_retry_in_lockstep() {
-        let delays: std::collections::HashSet<Duration> = (0..16)
-            .map(|_| Backoff::new(Duration::from_secs(1), Duration::from_secs(5)).next_delay())
-            .collect();
-        assert!(delays.len() > 1, "16 replicas drew the same delay");
+    fn full_jitter_spreads_over_the_whole_range() {
+        let b = Backoff {
+            base: Duration::from_millis(10),
+            max: Duration::from_millis(50),
+        };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let delays: Vec<Duration> = (0..1_000).map(|_| b.delay(3, &mut rng)).collect();
+        assert!(delays.iter().all(|d| *d <= Duration::from_millis(40)));
+        assert!(delays.iter().any(|d| *d < Duration::from_millis(5)));
+        assert!(delays.iter().any(|d| *d > Duration::from_millis(35)));
+    }
+
+    #[test]
+    fn zero_backoff_never_waits() {
+        let b = Backoff {
+            base: Duration::ZERO,
+            max: Duration::from_secs(1),
+        };
+        assert_eq!(b.delay(4, &mut rand::rng()), Duration::ZERO);
+    }
+
+    #[test]
+    fn retries_grow_and_reset() {
+        let mut r = Backoff::RECONNECT.retries();
+        for _ in 0..10 {
+            assert!(r.next_delay() <= Duration::from_secs(5));
+        }
+        r.reset();
+        assert!(r.next_delay() <= Duration::from_millis(200));
     }
 
     #[tokio::test(start_paused = true)]
     async fn wait_returns_false_on_shutdown() {
         let (tx, mut rx) = watch::channel(false);
-        let mut b = Backoff::new(Duration::from_secs(10), Duration::from_secs(10));
-        let waiter = tokio::spawn(async move { b.wait(&mut rx).await });
+        let mut r = Backoff {
+            base: Duration::from_secs(10),
+            max: Duration::from_secs(10),
+        }
+        .retries();
+        let waiter = tokio::spawn(async move { r.wait(&mut rx).await });
         tokio::task::yield_now().await;
         tx.send(true).unwrap();
         assert!(!waiter.await.unwrap());
@@ -109,9 +150,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn wait_sleeps_when_not_shut_down() {
         let (_tx, mut rx) = watch::channel(false);
-        let mut b = Backoff::new(Duration::from_millis(100), Duration::from_millis(100));
-        let start = tokio::time::Instant::now();
-        assert!(b.wait(&mut rx).await);
-        assert!(start.elapsed() >= Duration::from_millis(50));
+        let mut r = Backoff::RECONNECT.retries();
+        assert!(r.wait(&mut rx).await);
     }
 }

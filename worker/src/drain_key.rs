@@ -23,7 +23,7 @@ impl DrainKey {
     /// Resolves with the key's value (the reason) once the key exists;
     /// reconnects on its own while etcd is away.
     pub async fn requested(&self) -> String {
-        let mut backoff = Backoff::reconnect();
+        let mut backoff = Backoff::RECONNECT.retries();
         loop {
             match self.wait_once().await {
                 Ok(reason) => return reason,

@@ -29,7 +29,7 @@ pub async fn run(cfg: RegistrationConfig, mut shutdown: watch::Receiver<bool>) {
     if cfg.endpoints.is_empty() {
         return;
     }
-    let mut backoff = Backoff::reconnect();
+    let mut backoff = Backoff::RECONNECT.retries();
     // Each attempt talks to one endpoint, the next one after a failure: a
     // client over the whole list kept picking a stopped etcd node (seen in
     // the compose cluster test) until the lease had lapsed.

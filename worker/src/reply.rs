@@ -46,7 +46,7 @@ impl Drop for Relay {
         metrics::histogram!("llm_request_duration_seconds", labels)
             .record(self.to.started.elapsed().as_secs_f64());
         record_outcome(labels, self.code);
-        if !matches!(self.code, tonic::Code::Ok | tonic::Code::Cancelled) {
+        if tokenmesh_proto::codes::classify(self.code).is_failure() {
             self.to.span.record("otel.status_code", "ERROR");
         }
     }

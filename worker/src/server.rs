@@ -204,7 +204,7 @@ pub(crate) fn record_outcome(labels: &Labels, code: tonic::Code) {
     let mut with_code: Vec<(&'static str, String)> = labels.to_vec();
     with_code.push(("code", tokenmesh_proto::codes::code_name(code).to_string()));
     metrics::counter!("llm_request_total", &with_code).increment(1);
-    if !matches!(code, tonic::Code::Ok | tonic::Code::Cancelled) {
+    if tokenmesh_proto::codes::classify(code).is_failure() {
         metrics::counter!("llm_request_errors_total", labels).increment(1);
     }
 }

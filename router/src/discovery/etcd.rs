@@ -19,7 +19,7 @@ pub async fn run(
     registry: Arc<Registry>,
     tls: Option<TlsPaths>,
 ) {
-    let mut backoff = Backoff::reconnect();
+    let mut backoff = Backoff::RECONNECT.retries();
     loop {
         match sync_and_watch(&endpoints, &keys, &registry, tls.as_ref()).await {
             Ok(()) => backoff.reset(),

@@ -9,16 +9,28 @@
 //! The time to first token, from when the router received the request, is
 //! recorded once per client request, against the attempt that delivered it.
 //!
-//! `publish` writes the snapshots to etcd under the router's lease.
+//! Which outcome is an error is the shared table of
+//! [`tokenmesh_proto::codes::classify`].
+//!
+//! `publish` writes the snapshots to etcd under the router's lease. The
+//! stats learn the workers of each version through [`WorkerViews`], which the
+//! registry implements, so the dependency runs one way: registry → stats.
 pub mod publish;
 
-use crate::registry::Registry;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tokenmesh_proto::codes::classify;
 use tokenmesh_proto::records::{StatsRecord, WorkerView, TTFT_BUCKETS_MS};
 use tonic::Code;
+
+/// The workers behind each version as the router sees them, for the
+/// `workers` field of the published records.
+pub trait WorkerViews: Send + Sync {
+    /// (model, version) → worker id → view, for every registered worker.
+    fn worker_views(&self) -> BTreeMap<(String, String), BTreeMap<String, WorkerView>>;
+}
 
 /// Cumulative counters of one model version.
 #[derive(Debug)]
@@ -48,16 +60,6 @@ pub fn ttft_bucket(ms: f64) -> usize {
         .iter()
         .position(|&bound| ms <= bound)
         .unwrap_or(TTFT_BUCKETS_MS.len())
-}
-
-/// Whether an attempt that ended with `code` failed on the serving side.
-/// The caller's own doing (a cancel, an invalid request, an unknown model)
-/// is not an error of the version.
-pub fn is_serving_error(code: Code) -> bool {
-    !matches!(
-        code,
-        Code::Ok | Code::Cancelled | Code::InvalidArgument | Code::NotFound | Code::OutOfRange
-    )
 }
 
 /// Every version's counters since this router started.
@@ -95,44 +97,28 @@ impl Stats {
     }
 
     /// One record per version that has counters or registered workers.
-    pub fn snapshot(&self, registry: &Registry) -> BTreeMap<(String, String), StatsRecord> {
+    pub fn snapshot(&self, workers: &dyn WorkerViews) -> BTreeMap<(String, String), StatsRecord> {
         let now = unix_ms();
+        let empty = || StatsRecord {
+            started_at_ms: self.started_at_ms,
+            updated_at_ms: now,
+            ttft_counts: vec![0; TTFT_BUCKETS_MS.len() + 1],
+            ..Default::default()
+        };
         let mut out = BTreeMap::new();
         for (key, c) in self.versions.lock().expect("stats lock").iter() {
             out.insert(
                 key.clone(),
                 StatsRecord {
-                    started_at_ms: self.started_at_ms,
-                    updated_at_ms: now,
                     requests: c.requests.load(Ordering::Relaxed),
                     errors: c.errors.load(Ordering::Relaxed),
                     ttft_counts: c.ttft.iter().map(|b| b.load(Ordering::Relaxed)).collect(),
-                    workers: BTreeMap::new(),
+                    ..empty()
                 },
             );
         }
-        for (model, entry) in registry.models() {
-            for (version, endpoints) in entry.versions {
-                let record = out
-                    .entry((model.clone(), version))
-                    .or_insert_with(|| StatsRecord {
-                        started_at_ms: self.started_at_ms,
-                        updated_at_ms: now,
-                        ttft_counts: vec![0; TTFT_BUCKETS_MS.len() + 1],
-                        ..Default::default()
-                    });
-                for ep in endpoints {
-                    record.workers.insert(
-                        ep.id.clone(),
-                        WorkerView {
-                            healthy: ep.healthy.load(Ordering::SeqCst),
-                            draining: ep.is_draining(),
-                            in_flight: ep.in_flight.load(Ordering::SeqCst),
-                            queue_depth: ep.reported_queue.load(Ordering::SeqCst),
-                        },
-                    );
-                }
-            }
+        for (key, views) in workers.worker_views() {
+            out.entry(key).or_insert_with(empty).workers = views;
         }
         out
     }
@@ -149,7 +135,7 @@ impl Attempt {
     /// The attempt ended with `code`; a serving-side failure counts one error
     /// (at most one per attempt).
     pub fn ended(&mut self, code: Code) {
-        if !self.failed && is_serving_error(code) {
+        if !self.failed && classify(code).is_serving_error() {
             self.failed = true;
             self.counters.errors.fetch_add(1, Ordering::Relaxed);
         }
@@ -187,27 +173,6 @@ mod tests {
     }
 
     #[test]
-    fn client_caused_codes_are_not_errors_of_the_version() {
-        for code in [
-            Code::Ok,
-            Code::Cancelled,
-            Code::InvalidArgument,
-            Code::NotFound,
-        ] {
-            assert!(!is_serving_error(code), "{code:?}");
-        }
-        for code in [
-            Code::Internal,
-            Code::Unavailable,
-            Code::Unknown,
-            Code::DeadlineExceeded,
-            Code::ResourceExhausted,
-        ] {
-            assert!(is_serving_error(code), "{code:?}");
-        }
-    }
-
-    #[test]
     fn attempts_count_per_version_and_errors_once_per_attempt() {
         let stats = Stats::default();
         let mut a = stats.attempt("m", "v1");
@@ -219,6 +184,7 @@ mod tests {
         let mut c = stats.attempt("m", "v2");
         c.ended(Code::Cancelled);
         let versions = stats.versions.lock().unwrap();
+        assert_eq!(versions.len(), 2);
         let v1 = &versions[&("m".to_string(), "v1".to_string())];
         assert_eq!(v1.requests.load(Ordering::Relaxed), 2);
         assert_eq!(v1.errors.load(Ordering::Relaxed), 1);
@@ -229,5 +195,36 @@ mod tests {
         let v2 = &versions[&("m".to_string(), "v2".to_string())];
         assert_eq!(v2.requests.load(Ordering::Relaxed), 1);
         assert_eq!(v2.errors.load(Ordering::Relaxed), 0);
+    }
+
+    struct OneWorker;
+
+    impl WorkerViews for OneWorker {
+        fn worker_views(&self) -> BTreeMap<(String, String), BTreeMap<String, WorkerView>> {
+            let view = WorkerView {
+                healthy: true,
+                draining: false,
+                in_flight: 2,
+                queue_depth: 1,
+            };
+            BTreeMap::from([(
+                ("m".to_string(), "v3".to_string()),
+                BTreeMap::from([("w1".to_string(), view)]),
+            )])
+        }
+    }
+
+    #[test]
+    fn snapshots_cover_versions_with_traffic_or_workers() {
+        let stats = Stats::default();
+        stats.attempt("m", "v1").ended(Code::Unavailable);
+        let snap = stats.snapshot(&OneWorker);
+        let v1 = &snap[&("m".to_string(), "v1".to_string())];
+        assert_eq!((v1.requests, v1.errors), (1, 1));
+        assert!(v1.workers.is_empty());
+        let v3 = &snap[&("m".to_string(), "v3".to_string())];
+        assert_eq!((v3.requests, v3.errors), (0, 0));
+        assert_eq!(v3.ttft_counts, vec![0; TTFT_BUCKETS_MS.len() + 1]);
+        assert_eq!(v3.workers["w1"].in_flight, 2);
     }
 }

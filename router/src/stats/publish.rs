@@ -3,8 +3,7 @@
 //! keys expire with the lease; when it is back a new lease is granted and
 //! everything is written again (the counters themselves live in memory and
 //! are never reset). On shutdown the lease is revoked, which deletes the keys.
-use super::Stats;
-use crate::registry::Registry;
+use super::{Stats, WorkerViews};
 use etcd_client::{Client, PutOptions};
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -34,15 +33,15 @@ pub struct PublishConfig {
 pub async fn run(
     cfg: PublishConfig,
     stats: Arc<Stats>,
-    registry: Arc<Registry>,
+    registry: Arc<dyn WorkerViews>,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    let mut backoff = Backoff::reconnect();
+    let mut backoff = Backoff::RECONNECT.retries();
     loop {
         if *shutdown.borrow() {
             return;
         }
-        match publish_under_lease(&cfg, &stats, &registry, &mut shutdown).await {
+        match publish_under_lease(&cfg, &stats, &*registry, &mut shutdown).await {
             Ok(()) => return,
             Err(e) => {
                 tracing::warn!(error = %e, router_id = %cfg.router_id, "publishing stats to etcd failed; retrying");
@@ -59,7 +58,7 @@ pub async fn run(
 async fn publish_under_lease(
     cfg: &PublishConfig,
     stats: &Stats,
-    registry: &Registry,
+    registry: &dyn WorkerViews,
     shutdown: &mut watch::Receiver<bool>,
 ) -> Result<(), etcd_client::Error> {
     let mut client = etcd::connect(&cfg.endpoints, cfg.tls.as_ref(), etcd::Use::Streams).await?;
@@ -93,7 +92,7 @@ async fn put_snapshot(
     client: &mut Client,
     cfg: &PublishConfig,
     stats: &Stats,
-    registry: &Registry,
+    registry: &dyn WorkerViews,
     lease: i64,
     previous: &HashSet<String>,
 ) -> Result<HashSet<String>, etcd_client::Error> {

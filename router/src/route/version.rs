@@ -1,6 +1,6 @@
-//! Version choice (DESIGN.md, "Routing", step 2): pin, then sticky hash of the
-//! session onto the weight split, then a weighted random choice. A version
-//! with no ready worker is skipped.
+//! Version choice (DESIGN.md, "Routing", step 2), by the model's traffic
+//! policy: pin, then sticky hash of the session onto the weight split, then a
+//! weighted random choice. A version with no ready worker is skipped.
 use crate::errors::RouterError;
 use crate::registry::ModelEntry;
 use rand::Rng;

@@ -1,0 +1,229 @@
+//! Opening a worker stream (DESIGN.md, "Routing", steps 3 to 5): pick a ready
+//! worker of the request's version by P2C and call it; if it refuses with a
+//! retryable status, try another one, after a jittered backoff and only while
+//! the version's retry budget allows, up to `--max-attempts` workers.
+//!
+//! The routing facts (candidates and their loads, the worker chosen and why,
+//! the attempts so far) are written on the `route` span the caller passes in,
+//! which is also the parent of the client span of each call to a worker.
+use super::p2c;
+use super::retry_budget::{RetryBudget, RetryReason};
+use crate::errors::RouterError;
+use crate::registry::{Endpoint, InFlight, Registry};
+use crate::stats::Attempt;
+use std::sync::Arc;
+use tokenmesh_proto::codes::classify;
+use tokenmesh_proto::v1::{GenerateRequest, GenerateResponse, WorkerGenerateRequest};
+use tokenmesh_runtime::{telemetry, Backoff};
+use tokio::time::Instant;
+use tonic::{Status, Streaming};
+use tracing::Span;
+
+/// A worker stream that has been opened, with the worker it runs on.
+pub struct Upstream {
+    /// The worker's messages.
+    pub stream: Streaming<GenerateResponse>,
+    /// Counts the stream in the worker's load until dropped.
+    pub guard: InFlight,
+    /// The client span of the call to the worker; ends with the stream.
+    pub span: Span,
+    /// This attempt in the per-version stats.
+    pub attempt: Attempt,
+}
+
+/// Limits of the calls one request may make to workers before a first token.
+#[derive(Clone, Copy, Debug)]
+pub struct AttemptLimits {
+    /// Workers tried per opening (`--max-attempts`).
+    pub max_attempts: u32,
+    /// Wait between them.
+    pub backoff: Backoff,
+}
+
+/// One client request's calls to workers: which were tried (none is tried
+/// twice, across retries and failovers alike) and what a retry costs.
+pub struct Attempts {
+    registry: Arc<Registry>,
+    request: GenerateRequest,
+    version: String,
+    tried: Vec<String>,
+    limits: AttemptLimits,
+    budget: Arc<RetryBudget>,
+    /// When the caller's deadline (grpc-timeout) expires, if it set one.
+    deadline: Option<Instant>,
+}
+
+/// How one call to a worker failed.
+enum CallError {
+    /// Another worker may succeed.
+    Retry(Status),
+    /// The request fails with this.
+    Fail(RouterError),
+}
+
+impl Attempts {
+    /// No worker tried yet; retries are paid from `budget`.
+    pub fn new(
+        registry: Arc<Registry>,
+        request: GenerateRequest,
+        version: String,
+        limits: AttemptLimits,
+        budget: Arc<RetryBudget>,
+        deadline: Option<Instant>,
+    ) -> Self {
+        Self {
+            registry,
+            request,
+            version,
+            tried: Vec::new(),
+            limits,
+            budget,
+            deadline,
+        }
+    }
+
+    /// The caller's deadline, if any.
+    pub fn deadline(&self) -> Option<Instant> {
+        self.deadline
+    }
+
+    /// Opens a stream on the best ready worker not tried yet, continuing
+    /// after the `emitted` tokens, retrying retryable refusals on others.
+    /// Every call but the request's very first is paid from the budget: the
+    /// first call of an opening after a failover as `StreamLost`, each retry
+    /// as `Refused`; no budget is spent when no worker is left to try.
+    pub async fn open(&mut self, emitted: &[u32], route: &Span) -> Result<Upstream, RouterError> {
+        let mut last: Option<Status> = None;
+        for retry in 0..self.limits.max_attempts.max(1) {
+            let candidates = self
+                .registry
+                .model(&self.request.model)
+                .and_then(|m| m.versions.get(&self.version).cloned())
+                .unwrap_or_default();
+            route.record("candidates", describe(&candidates).as_str());
+            let Some(ep) = p2c::pick(&candidates, &self.tried, &mut rand::rng()) else {
+                break;
+            };
+            if !self.tried.is_empty() {
+                let reason = match retry {
+                    0 => RetryReason::StreamLost,
+                    _ => RetryReason::Refused,
+                };
+                if !self.budget.withdraw(reason) {
+                    return Err(RouterError::RetryBudgetExhausted {
+                        last: last.map(|s| (s.code(), s.message().to_string())),
+                    });
+                }
+            }
+            if retry > 0 {
+                self.back_off(retry, emitted.len()).await?;
+            }
+            route.record("worker", ep.id.as_str());
+            route.record("reason", p2c::reason(&candidates, &self.tried));
+            self.tried.push(ep.id.clone());
+            route.record("attempts", self.tried.len());
+            match self.call(&ep, emitted, route).await {
+                Ok(upstream) => return Ok(upstream),
+                Err(CallError::Fail(e)) => return Err(e),
+                Err(CallError::Retry(status)) => {
+                    tracing::warn!(parent: route, worker = %ep.id, code = ?status.code(), error = %status.message(), "worker refused; trying another");
+                    last = Some(status);
+                }
+            }
+        }
+        Err(match last {
+            Some(s) => RouterError::AttemptsFailed {
+                code: s.code(),
+                message: s.message().to_string(),
+            },
+            None => RouterError::NoWorker {
+                model: self.request.model.clone(),
+                version: Some(self.version.clone()),
+            },
+        })
+    }
+
+    /// Waits before the `retry`-th retry, never past the caller's deadline.
+    async fn back_off(&self, retry: u32, delivered: usize) -> Result<(), RouterError> {
+        let delay = self.limits.backoff.delay(retry, &mut rand::rng());
+        let until = Instant::now() + delay;
+        match self.deadline {
+            Some(d) if d <= until => {
+                tokio::time::sleep_until(d).await;
+                Err(RouterError::DeadlineExceeded { delivered })
+            }
+            _ => {
+                tokio::time::sleep_until(until).await;
+                Ok(())
+            }
+        }
+    }
+
+    /// One call to `ep`, counted in its load and in the version's stats.
+    async fn call(
+        &self,
+        ep: &Arc<Endpoint>,
+        emitted: &[u32],
+        route: &Span,
+    ) -> Result<Upstream, CallError> {
+        let guard = InFlight::new(ep.clone());
+        let mut call = tonic::Request::new(WorkerGenerateRequest {
+            request: Some(self.request.clone()),
+            emitted_token_ids: emitted.to_vec(),
+        });
+        let span = tracing::info_span!(
+            parent: route,
+            "worker.Generate",
+            otel.name = "tokenmesh.v1.Worker/Generate",
+            otel.kind = "client",
+            otel.status_code = tracing::field::Empty,
+            worker = %ep.id,
+            emitted = emitted.len(),
+        );
+        telemetry::inject(&span, call.metadata_mut());
+        if let Some(d) = self.deadline {
+            // The worker gets what is left of the caller's deadline.
+            let left = d.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(CallError::Fail(RouterError::DeadlineExceeded {
+                    delivered: emitted.len(),
+                }));
+            }
+            call.set_timeout(left);
+        }
+        let mut attempt = self.registry.stats().attempt(&ep.model, &ep.version);
+        match ep.client().generate(call).await {
+            Ok(resp) => Ok(Upstream {
+                stream: resp.into_inner(),
+                guard,
+                span,
+                attempt,
+            }),
+            Err(status) => {
+                attempt.ended(status.code());
+                span.record("otel.status_code", "ERROR");
+                if classify(status.code()).is_retryable() {
+                    Err(CallError::Retry(status))
+                } else {
+                    Err(CallError::Fail(RouterError::Worker(status)))
+                }
+            }
+        }
+    }
+}
+
+/// The candidates and their loads, as the `route` span shows them.
+fn describe(candidates: &[Arc<Endpoint>]) -> String {
+    candidates
+        .iter()
+        .map(|e| {
+            format!(
+                "{}:{}{}",
+                e.id,
+                e.load(),
+                if e.ready() { "" } else { "(not ready)" }
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}

@@ -1,0 +1,229 @@
+//! Failover (DESIGN.md, "Routing", steps 5 and 6): carries one client stream
+//! across one or more worker streams.
+//!
+//! The router numbers the client's messages itself, replaces each worker's
+//! `Accepted` with its own (only the first reaches the client), and records
+//! every token id it forwards. If a worker fails with a retryable status or
+//! the stream breaks before it finished, the request continues on another
+//! worker of the same version from the tokens already delivered, so the
+//! client sees one unbroken stream (no gap in `seq`, no token lost or
+//! repeated); if no worker can continue it ends with UNAVAILABLE. Each
+//! failover is routed in its own `route` span, a child of the request's
+//! `Generate` span. A client that goes away drops the upstream stream at
+//! once, which frees the sequence on the worker.
+use super::attempt::{Attempts, Upstream};
+use super::meter::StreamMeter;
+use super::route_span;
+use crate::admission::Permit;
+use crate::errors::RouterError;
+use std::time::Instant;
+use tokenmesh_proto::codes::classify;
+use tokenmesh_proto::v1::{generate_response::Event, Accepted, GenerateResponse};
+use tokio::sync::mpsc;
+use tonic::Status;
+use tracing::Span;
+
+/// Everything needed to continue a request elsewhere.
+pub struct FailoverContext {
+    /// The workers tried so far and the budget further calls are paid from.
+    pub attempts: Attempts,
+    /// The client's `Accepted`: the version and the first worker.
+    pub accepted: Accepted,
+    /// Times the stream may move to another worker (`--max-failovers`).
+    pub max_failovers: u32,
+    /// When the router received the request.
+    pub started: Instant,
+    /// The admission slot, released when the stream ends.
+    pub permit: Permit,
+    /// The request's `Generate` span.
+    pub span: Span,
+}
+
+/// The client's side of the stream: numbering, the tokens delivered so far,
+/// and the metrics.
+struct ClientStream {
+    out: mpsc::Sender<Result<GenerateResponse, Status>>,
+    seq: u64,
+    emitted: Vec<u32>,
+    meter: StreamMeter,
+    failovers: u32,
+}
+
+impl ClientStream {
+    /// Sends the next message; false if the client has gone away.
+    async fn send(&mut self, event: Event) -> bool {
+        let msg = GenerateResponse {
+            seq: self.seq,
+            event: Some(event),
+        };
+        self.seq += 1;
+        self.out.send(Ok(msg)).await.is_ok()
+    }
+
+    /// Ends the stream with `status`.
+    async fn fail(&mut self, status: Status) {
+        self.meter.code = status.code();
+        let _ = self.out.send(Err(status)).await;
+    }
+
+    /// Ends the stream because no worker can continue it.
+    async fn lost(&mut self, reason: String) {
+        let delivered = self.emitted.len();
+        self.fail(RouterError::StreamLost { delivered, reason }.into_status())
+            .await;
+    }
+}
+
+/// Pumps messages from workers to the client until the stream finishes, the
+/// client leaves, the deadline passes, or no worker can continue.
+pub async fn run(
+    mut ctx: FailoverContext,
+    mut upstream: Upstream,
+    out: mpsc::Sender<Result<GenerateResponse, Status>>,
+) {
+    let meter = StreamMeter::new(
+        &ctx.accepted.model,
+        &ctx.accepted.version,
+        ctx.started,
+        ctx.span.clone(),
+    );
+    let mut client = ClientStream {
+        out,
+        seq: 0,
+        emitted: Vec::new(),
+        meter,
+        failovers: 0,
+    };
+    if !client.send(Event::Accepted(ctx.accepted.clone())).await {
+        return;
+    }
+    let deadline = ctx.attempts.deadline();
+    let expiry = async {
+        match deadline {
+            Some(d) => tokio::time::sleep_until(d).await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(expiry);
+    loop {
+        let Some(failure) = relay(&ctx, &mut upstream, &mut client, &mut expiry).await else {
+            return;
+        };
+        match fail_over(&mut ctx, &mut client, upstream, failure).await {
+            Some(next) => upstream = next,
+            None => return,
+        }
+    }
+}
+
+/// Relays one worker stream to the client. `None` when the client's stream
+/// is over; the failure if the worker stream broke and may continue elsewhere.
+async fn relay(
+    ctx: &FailoverContext,
+    upstream: &mut Upstream,
+    client: &mut ClientStream,
+    expiry: &mut std::pin::Pin<&mut impl std::future::Future<Output = ()>>,
+) -> Option<Status> {
+    loop {
+        let next = tokio::select! {
+            m = upstream.stream.message() => m,
+            _ = client.out.closed() => {
+                tracing::debug!(request_id = %ctx.accepted.request_id, "client went away; dropping upstream");
+                return None;
+            }
+            _ = expiry.as_mut() => {
+                // Dropping the upstream stream cancels the worker's sequence.
+                upstream.attempt.ended(tonic::Code::DeadlineExceeded);
+                let delivered = client.emitted.len();
+                client.fail(RouterError::DeadlineExceeded { delivered }.into_status()).await;
+                return None;
+            }
+        };
+        let event = match next {
+            Ok(Some(msg)) => msg.event,
+            Ok(None) => {
+                return Some(Status::unavailable(
+                    "worker ended the stream without finishing",
+                ))
+            }
+            Err(status) if classify(status.code()).is_retryable() => return Some(status),
+            Err(status) => {
+                upstream.attempt.ended(status.code());
+                client.fail(status).await;
+                return None;
+            }
+        };
+        match event {
+            Some(Event::Accepted(_)) | None => {}
+            Some(Event::Delta(d)) => {
+                if client.emitted.is_empty() && !d.token_ids.is_empty() {
+                    upstream.attempt.first_token(ctx.started.elapsed());
+                }
+                client.meter.tokens(d.token_ids.len());
+                client.emitted.extend_from_slice(&d.token_ids);
+                if !client.send(Event::Delta(d)).await {
+                    return None;
+                }
+            }
+            Some(Event::Finished(mut f)) => {
+                client.meter.code = tonic::Code::Ok;
+                f.failovers = client.failovers;
+                if let Some(t) = f.timings.as_mut() {
+                    t.total_ms = ctx.started.elapsed().as_secs_f64() * 1000.0;
+                }
+                client.send(Event::Finished(f)).await;
+                return None;
+            }
+        }
+    }
+}
+
+/// Moves the stream off the worker that failed with `failure` onto another
+/// of the same version, from the tokens delivered so far; `None` (and the
+/// client told why) if none can take it.
+async fn fail_over(
+    ctx: &mut FailoverContext,
+    client: &mut ClientStream,
+    mut lost: Upstream,
+    failure: Status,
+) -> Option<Upstream> {
+    lost.attempt.ended(failure.code());
+    let from = lost.guard.endpoint().id.clone();
+    // The lost worker's load and client span end here; it is not tried again.
+    drop(lost);
+    tracing::warn!(
+        request_id = %ctx.accepted.request_id,
+        worker = %from,
+        delivered = client.emitted.len(),
+        error = %failure.message(),
+        "worker lost mid-stream"
+    );
+    if client.failovers >= ctx.max_failovers {
+        let reason = format!("failover limit of {} reached", ctx.max_failovers);
+        client.lost(reason).await;
+        return None;
+    }
+    client.failovers += 1;
+    let route = route_span(&ctx.span);
+    route.record("version", ctx.accepted.version.as_str());
+    route.record("arm", tracing::field::debug(ctx.accepted.arm()));
+    route.record("failover", client.failovers);
+    let next = match ctx.attempts.open(&client.emitted, &route).await {
+        Ok(next) => next,
+        Err(e) => {
+            client.lost(e.to_string()).await;
+            return None;
+        }
+    };
+    let version = ctx.accepted.version.clone();
+    metrics::counter!("llm_failovers_total", "model" => ctx.accepted.model.clone(), "version" => version)
+        .increment(1);
+    tracing::info!(
+        request_id = %ctx.accepted.request_id,
+        from = %from,
+        to = %next.guard.endpoint().id,
+        delivered = client.emitted.len(),
+        "stream continues on another worker"
+    );
+    Some(next)
+}

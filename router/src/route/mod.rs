@@ -1,0 +1,224 @@
+//! The request path, in DESIGN.md's order ("Routing, in order"), one step per
+//! file:
+//!
+//! 1. admission ([`crate::admission`]): concurrency limits and a bounded
+//!    queue, before anything is chosen;
+//! 2. [`version`]: pin, sticky session, weighted split, on the registry as it
+//!    is once the request is admitted;
+//! 3. [`p2c`]: the worker, by power of two choices on live load;
+//! 4. the channel ([`crate::registry`]): one connection per worker;
+//! 5. [`attempt`]: the call to the worker, retried on another before the first
+//!    token with backoff, paid from the version's [`retry_budget`]; after it,
+//!    [`failover`] continues the stream on another worker;
+//! 6. [`failover`] also drops the upstream stream when the client leaves or
+//!    its deadline passes; [`meter`] records the stream's metrics.
+//!
+//! [`Router::route`] runs the steps; the gRPC service in `server.rs` only
+//! turns a request into an [`Incoming`] and the result into a response.
+pub mod attempt;
+pub mod failover;
+pub mod meter;
+pub mod p2c;
+pub mod retry_budget;
+pub mod version;
+
+use crate::admission::Admission;
+use crate::errors::RouterError;
+use crate::registry::{ModelEntry, Registry};
+use attempt::{AttemptLimits, Attempts};
+use failover::FailoverContext;
+use retry_budget::{RetryBudgetConfig, RetryBudgets};
+use std::sync::Arc;
+use std::time::Instant;
+use tokenmesh_proto::v1::{Accepted, GenerateRequest, GenerateResponse};
+use tokenmesh_runtime::Backoff;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::Status;
+use tracing::{Instrument, Span};
+use version::{choose_version, VersionAsk, VersionChoice};
+
+/// Request-path settings (from the router's flags).
+#[derive(Clone, Debug)]
+pub struct RouteSettings {
+    /// Workers tried for one request before the first token.
+    pub max_attempts: u32,
+    /// Times a stream may move to another worker after tokens were sent.
+    pub max_failovers: u32,
+    /// Wait between the attempts of one request.
+    pub backoff: Backoff,
+    /// The shape of each version's retry budget.
+    pub retry_budget: RetryBudgetConfig,
+}
+
+/// One request as the gRPC edge hands it over: validated, with a request id.
+#[derive(Debug)]
+pub struct Incoming {
+    /// The client's request, with its `request_id` set.
+    pub request: GenerateRequest,
+    /// The caller, for per-identity limits.
+    pub identity: String,
+    /// A version pin, from the request or its header.
+    pub pin: Option<String>,
+    /// The sticky-session key, from the request or its header.
+    pub session: Option<String>,
+    /// When the caller's deadline (grpc-timeout) expires, if it set one.
+    pub deadline: Option<tokio::time::Instant>,
+    /// When the router received the request.
+    pub started: Instant,
+}
+
+/// A request routed to its first worker; the stream is carried on in a task.
+pub struct Routed {
+    /// The version serving the request.
+    pub version: String,
+    /// The first worker serving it (a failover may move it).
+    pub worker_id: String,
+    /// The client's messages, numbered, across failovers.
+    pub stream: ReceiverStream<Result<GenerateResponse, Status>>,
+}
+
+/// The request path of one router.
+pub struct Router {
+    registry: Arc<Registry>,
+    admission: Arc<Admission>,
+    budgets: RetryBudgets,
+    settings: RouteSettings,
+}
+
+/// A `route` span, child of the request's `Generate` span, with every field
+/// the request path records: one for the first routing, one per failover.
+pub fn route_span(generate: &Span) -> Span {
+    tracing::info_span!(
+        parent: generate,
+        "route",
+        policy = tracing::field::Empty,
+        pin = tracing::field::Empty,
+        sticky = tracing::field::Empty,
+        version = tracing::field::Empty,
+        arm = tracing::field::Empty,
+        candidates = tracing::field::Empty,
+        worker = tracing::field::Empty,
+        reason = tracing::field::Empty,
+        attempts = tracing::field::Empty,
+        failover = tracing::field::Empty,
+    )
+}
+
+impl Router {
+    /// A request path over a registry that discovery keeps up to date.
+    pub fn new(
+        registry: Arc<Registry>,
+        admission: Arc<Admission>,
+        settings: RouteSettings,
+    ) -> Self {
+        Self {
+            budgets: RetryBudgets::new(settings.retry_budget),
+            registry,
+            admission,
+            settings,
+        }
+    }
+
+    /// What the router knows.
+    pub fn registry(&self) -> &Arc<Registry> {
+        &self.registry
+    }
+
+    /// Admits and routes one request and opens its first worker stream; the
+    /// rest of the stream is carried by a failover task inside `span`, the
+    /// request's `Generate` span.
+    pub async fn route(&self, incoming: Incoming, span: &Span) -> Result<Routed, RouterError> {
+        // An unknown model is the caller's mistake, refused before it takes
+        // an admission slot.
+        self.known(&incoming.request.model)?;
+        let route = route_span(span);
+        route.record("pin", incoming.pin.as_deref().unwrap_or(""));
+        route.record("sticky", incoming.session.is_some());
+        let permit = self
+            .admission
+            .admit(&incoming.identity)
+            .instrument(route.clone())
+            .await?;
+        // After any wait in the queue, on the registry as it is now.
+        let choice = self.choose(&incoming, &route, span)?;
+        let model = incoming.request.model.clone();
+        let request_id = incoming.request.request_id.clone();
+        let budget = self.budgets.get(&model, &choice.version);
+        budget.deposit();
+        let limits = AttemptLimits {
+            max_attempts: self.settings.max_attempts,
+            backoff: self.settings.backoff,
+        };
+        let mut attempts = Attempts::new(
+            self.registry.clone(),
+            incoming.request,
+            choice.version.clone(),
+            limits,
+            budget,
+            incoming.deadline,
+        );
+        let upstream = attempts.open(&[], &route).await?;
+        drop(route);
+        let worker_id = upstream.guard.endpoint().id.clone();
+        span.record("worker", worker_id.as_str());
+        let accepted = Accepted {
+            request_id,
+            model,
+            version: choice.version.clone(),
+            arm: choice.arm as i32,
+            worker_id: worker_id.clone(),
+        };
+        let ctx = FailoverContext {
+            attempts,
+            accepted,
+            max_failovers: self.settings.max_failovers,
+            started: incoming.started,
+            permit,
+            span: span.clone(),
+        };
+        let (tx, rx) = mpsc::channel(32);
+        tokio::spawn(failover::run(ctx, upstream, tx).instrument(span.clone()));
+        Ok(Routed {
+            version: choice.version,
+            worker_id,
+            stream: ReceiverStream::new(rx),
+        })
+    }
+
+    /// The model's versions and policy; NOT_FOUND for a model no worker or
+    /// policy knows.
+    fn known(&self, model: &str) -> Result<ModelEntry, RouterError> {
+        self.registry
+            .model(model)
+            .ok_or_else(|| RouterError::UnknownModel {
+                asked: model.into(),
+                available: self.registry.models().keys().cloned().collect(),
+            })
+    }
+
+    /// Step 2: the version, recorded on the `route` and `Generate` spans.
+    fn choose(
+        &self,
+        incoming: &Incoming,
+        route: &Span,
+        span: &Span,
+    ) -> Result<VersionChoice, RouterError> {
+        let model = &incoming.request.model;
+        // The model may have gone while the request waited for admission.
+        let entry = self.known(model)?;
+        if let Some(p) = &entry.policy {
+            route.record("policy", tracing::field::debug(p));
+        }
+        let ask = VersionAsk {
+            pin: incoming.pin.as_deref(),
+            session: incoming.session.as_deref(),
+        };
+        let choice = choose_version(model, &entry, ask, &mut rand::rng())?;
+        for s in [route, span] {
+            s.record("version", choice.version.as_str());
+            s.record("arm", tracing::field::debug(choice.arm));
+        }
+        Ok(choice)
+    }
+}

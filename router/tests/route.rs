@@ -1,0 +1,490 @@
+//! Component tests of the request path: the router's `run()` in-process on
+//! 127.0.0.1:0 over a static discovery file, in front of real workers (the
+//! synthetic engine, whose output is a pure function of the prompt) that also
+//! run in-process, each on a runtime of its own so that a test can kill one
+//! outright: shutting its runtime down drops its listener and connections
+//! at once, as a `kill -9` would.
+//!
+//! The tests run on a current-thread runtime, so a thread-local tracing
+//! subscriber sees every span the router makes, and can check the routing
+//! facts written on the `route` spans.
+use clap::Parser;
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokenmesh_proto::codes::classify;
+use tokenmesh_proto::v1::generate_response::Event;
+use tokenmesh_proto::v1::inference_client::InferenceClient;
+use tokenmesh_proto::v1::{Finished, GenerateRequest, ListModelsRequest};
+use tokenmesh_router::config::RouterConfig;
+use tokenmesh_worker::config::WorkerConfig;
+use tonic::transport::Channel;
+use tonic::Code;
+use tracing::field::{Field, Visit};
+use tracing::span::{Attributes, Id, Record};
+use tracing_subscriber::layer::{Context, SubscriberExt};
+use tracing_subscriber::registry::LookupSpan;
+use tracing_subscriber::Layer;
+
+const MODEL: &str = "m";
+
+/// A worker serving `MODEL` with the synthetic engine.
+struct Worker {
+    id: String,
+    version: String,
+    addr: SocketAddr,
+    runtime: Option<tokio::runtime::Runtime>,
+}
+
+impl Worker {
+    /// A worker of v1.
+    fn start(id: &str) -> Self {
+        Self::of_version(id, "v1")
+    }
+
+    fn of_version(id: &str, version: &str) -> Self {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let cfg = WorkerConfig::try_parse_from([
+            "tokenmesh-worker",
+            "--insecure",
+            "--engine",
+            "synthetic",
+            "--synthetic-tokens-per-sec",
+            "200",
+            "--worker-id",
+            id,
+            "--model-name",
+            MODEL,
+            "--model-version",
+            version,
+        ])
+        .unwrap();
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.spawn(async move {
+            let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+            tokenmesh_worker::run(cfg, listener, std::future::pending())
+                .await
+                .unwrap();
+        });
+        Self {
+            id: id.into(),
+            version: version.into(),
+            addr,
+            runtime: Some(runtime),
+        }
+    }
+
+    /// Stops the worker abruptly: no drain, connections dropped.
+    fn kill(&mut self) {
+        if let Some(rt) = self.runtime.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// The router over a static file listing `workers`, with `extra` flags; a
+/// client once every worker is ready behind it. Stops when dropped.
+struct Router {
+    client: InferenceClient<Channel>,
+    _stop: tokio::sync::oneshot::Sender<()>,
+    _dir: tempfile::TempDir,
+}
+
+async fn router(workers: &[&Worker], extra: &[&str]) -> Router {
+    let dir = tempfile::tempdir().unwrap();
+    let mut toml = String::new();
+    for w in workers {
+        toml.push_str(&format!(
+            "[[workers]]\nid = {:?}\nmodel = {MODEL:?}\nversion = {:?}\naddr = \"http://{}\"\n\n",
+            w.id, w.version, w.addr
+        ));
+    }
+    let path = dir.path().join("static.toml");
+    std::fs::write(&path, toml).unwrap();
+    let mut args = vec![
+        "tokenmesh-router".to_string(),
+        "--insecure".into(),
+        "--static".into(),
+        path.display().to_string(),
+    ];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let cfg = RouterConfig::try_parse_from(args).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(tokenmesh_router::run(cfg, listener, async {
+        let _ = stopped.await;
+    }));
+    let channel = Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect_lazy();
+    let mut client = InferenceClient::new(channel);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let ready = match client.list_models(ListModelsRequest {}).await {
+            Ok(r) => r
+                .into_inner()
+                .models
+                .iter()
+                .map(|m| m.versions.iter().map(|v| v.ready_workers).sum::<u32>())
+                .sum::<u32>(),
+            Err(_) => 0,
+        };
+        if ready as usize == workers.len() {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "workers not ready");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Router {
+        client,
+        _stop: stop,
+        _dir: dir,
+    }
+}
+
+fn request(max_tokens: u32) -> GenerateRequest {
+    GenerateRequest {
+        model: MODEL.into(),
+        prompt: "tell me about lighthouses and their keepers".into(),
+        max_tokens: Some(max_tokens),
+        ..Default::default()
+    }
+}
+
+/// What one stream delivered.
+#[derive(Debug, Default)]
+struct Output {
+    seqs: Vec<u64>,
+    worker: String,
+    token_ids: Vec<u32>,
+    text: String,
+    finished: Option<Finished>,
+}
+
+/// Reads a whole stream; `on_tokens` sees the token count after each delta.
+async fn collect(
+    client: &mut InferenceClient<Channel>,
+    req: GenerateRequest,
+    mut on_tokens: impl FnMut(&str, usize),
+) -> Result<Output, tonic::Status> {
+    let mut stream = client.generate(req).await?.into_inner();
+    let mut out = Output::default();
+    while let Some(msg) = stream.message().await? {
+        out.seqs.push(msg.seq);
+        match msg.event {
+            Some(Event::Accepted(a)) => out.worker = a.worker_id,
+            Some(Event::Delta(d)) => {
+                out.token_ids.extend(d.token_ids);
+                out.text.push_str(&d.text);
+                on_tokens(&out.worker, out.token_ids.len());
+            }
+            Some(Event::Finished(f)) => out.finished = Some(f),
+            None => {}
+        }
+    }
+    Ok(out)
+}
+
+/// The fields recorded on one closed `route` span, and its parent's name.
+#[derive(Debug, Clone)]
+struct RouteSpan {
+    parent: String,
+    fields: BTreeMap<String, String>,
+}
+
+/// Captures every `route` span's fields, whenever they were recorded.
+#[derive(Clone, Default)]
+struct Capture(Arc<Mutex<Vec<RouteSpan>>>);
+
+struct Fields(BTreeMap<String, String>);
+
+impl Visit for Fields {
+    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+        self.0.insert(field.name().into(), format!("{value:?}"));
+    }
+    fn record_str(&mut self, field: &Field, value: &str) {
+        self.0.insert(field.name().into(), value.into());
+    }
+}
+
+impl<S: tracing::Subscriber + for<'a> LookupSpan<'a>> Layer<S> for Capture {
+    fn on_new_span(&self, attrs: &Attributes<'_>, id: &Id, ctx: Context<'_, S>) {
+        if attrs.metadata().name() == "route" {
+            let mut fields = Fields(BTreeMap::new());
+            attrs.record(&mut fields);
+            ctx.span(id).unwrap().extensions_mut().insert(fields);
+        }
+    }
+
+    fn on_record(&self, id: &Id, values: &Record<'_>, ctx: Context<'_, S>) {
+        let span = ctx.span(id).unwrap();
+        let mut extensions = span.extensions_mut();
+        if let Some(fields) = extensions.get_mut::<Fields>() {
+            values.record(fields);
+        }
+    }
+
+    fn on_close(&self, id: Id, ctx: Context<'_, S>) {
+        let span = ctx.span(&id).unwrap();
+        let fields = span.extensions_mut().remove::<Fields>();
+        if let Some(fields) = fields {
+            let parent = span
+                .parent()
+                .map(|p| p.name().to_string())
+                .unwrap_or_default();
+            self.0.lock().unwrap().push(RouteSpan {
+                parent,
+                fields: fields.0,
+            });
+        }
+    }
+}
+
+impl Capture {
+    /// Installs the capture for this thread.
+    fn install(&self) -> tracing::subscriber::DefaultGuard {
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(self.clone()))
+    }
+
+    /// The closed `route` spans, once at least `n` have closed.
+    async fn routes(&self, n: usize) -> Vec<RouteSpan> {
+        for _ in 0..200 {
+            let routes = self.0.lock().unwrap().clone();
+            if routes.len() >= n {
+                return routes;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!(
+            "fewer than {n} route spans closed: {:?}",
+            self.0.lock().unwrap()
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_stream_whose_worker_dies_continues_on_another_token_for_token() {
+    let capture = Capture::default();
+    let _guard = capture.install();
+    let mut workers = [Worker::start("w1"), Worker::start("w2")];
+    let mut r = router(&[&workers[0], &workers[1]], &[]).await;
+    let reference = collect(&mut r.client, request(60), |_, _| {})
+        .await
+        .unwrap();
+    assert_eq!(reference.token_ids.len(), 60);
+
+    let mut victim = None;
+    let out = collect(&mut r.client, request(60), |worker, tokens| {
+        if tokens >= 10 && victim.is_none() {
+            let i = workers.iter().position(|w| w.id == worker).unwrap();
+            workers[i].kill();
+            victim = Some(worker.to_string());
+        }
+    })
+    .await
+    .unwrap();
+    let victim = victim.unwrap();
+    let finished = out.finished.expect("the stream finishes");
+    assert_eq!(finished.failovers, 1);
+    assert_ne!(finished.worker_id, victim);
+    assert_eq!(out.seqs, (0..out.seqs.len() as u64).collect::<Vec<_>>());
+    assert_eq!(
+        out.token_ids, reference.token_ids,
+        "no token lost or repeated"
+    );
+    assert_eq!(out.text, reference.text);
+    assert_eq!(finished.usage.unwrap().completion_tokens, 60);
+
+    // The reference's route, the stream's first route and its failover's,
+    // each with the routing facts on its own span under Generate.
+    let routes = capture.routes(3).await;
+    let failover = routes
+        .iter()
+        .find(|r| r.fields.get("failover").map(String::as_str) == Some("1"))
+        .unwrap_or_else(|| panic!("no failover route span: {routes:#?}"));
+    assert_eq!(failover.parent, "Generate");
+    let f = &failover.fields;
+    assert_eq!(f["version"], "v1");
+    assert_eq!(f["worker"], finished.worker_id);
+    assert_eq!(f["reason"], "only ready worker left");
+    assert_eq!(f["attempts"], "2", "{f:?}");
+    assert!(f["candidates"].contains(&finished.worker_id), "{f:?}");
+    let first: Vec<_> = routes
+        .iter()
+        .filter(|r| !r.fields.contains_key("failover"))
+        .collect();
+    assert_eq!(first.len(), 2, "{routes:#?}");
+    for r in first {
+        assert_eq!(r.parent, "Generate");
+        assert_eq!(r.fields["attempts"], "1");
+        assert_eq!(r.fields["reason"], "lower load of two random ready workers");
+    }
+}
+
+/// Two workers, one of them dead (killed after the router saw it healthy,
+/// with status polls too rare to notice): calls to it are refused.
+async fn one_dead_worker(extra: &[&str]) -> (Router, [Worker; 2]) {
+    let mut workers = [Worker::start("w-dead"), Worker::start("w-live")];
+    let mut args = vec!["--status-interval-ms", "600000"];
+    args.extend_from_slice(extra);
+    let r = router(&[&workers[0], &workers[1]], &args).await;
+    workers[0].kill();
+    (r, workers)
+}
+
+#[tokio::test]
+async fn a_refused_call_is_retried_on_another_worker_before_the_first_token() {
+    let capture = Capture::default();
+    let _guard = capture.install();
+    let (mut r, _workers) = one_dead_worker(&[]).await;
+    // P2C tries the dead worker first in about half of the requests.
+    const N: usize = 20;
+    for _ in 0..N {
+        let out = collect(&mut r.client, request(2), |_, _| {}).await.unwrap();
+        let finished = out.finished.unwrap();
+        assert_eq!(
+            (finished.worker_id.as_str(), finished.failovers),
+            ("w-live", 0)
+        );
+    }
+    let routes = capture.routes(N).await;
+    let retried: Vec<_> = routes
+        .iter()
+        .filter(|r| r.fields["attempts"] == "2")
+        .collect();
+    assert!(
+        !retried.is_empty(),
+        "no request tried the dead worker: {routes:#?}"
+    );
+    for r in retried {
+        assert_eq!(r.fields["worker"], "w-live");
+        assert_eq!(r.fields["reason"], "only ready worker left");
+    }
+}
+
+#[tokio::test]
+async fn an_exhausted_retry_budget_stops_retries() {
+    let capture = Capture::default();
+    let _guard = capture.install();
+    // No share of the traffic and no floor: not a single retry is allowed.
+    let budget = [
+        "--retry-budget-ratio",
+        "0",
+        "--retry-budget-min-per-sec",
+        "0",
+    ];
+    let (mut r, _workers) = one_dead_worker(&budget).await;
+    let mut refused = None;
+    for _ in 0..40 {
+        match collect(&mut r.client, request(2), |_, _| {}).await {
+            Ok(out) => assert_eq!(out.finished.unwrap().worker_id, "w-live"),
+            Err(status) => {
+                refused = Some(status);
+                break;
+            }
+        }
+    }
+    let status = refused.expect("a request that hit the dead worker first fails");
+    // The dead worker's own refusal: tonic reports a refused connection as
+    // UNKNOWN "transport error".
+    assert!(classify(status.code()).is_retryable(), "{status:?}");
+    assert!(
+        status
+            .message()
+            .starts_with("retry budget exhausted, not retrying; last error: "),
+        "{}",
+        status.message()
+    );
+    let routes = capture.routes(1).await;
+    assert!(
+        routes.iter().all(|r| r.fields["attempts"] == "1"),
+        "{routes:#?}"
+    );
+}
+
+#[tokio::test]
+async fn a_lost_stream_is_not_failed_over_past_the_retry_budget() {
+    let budget = [
+        "--retry-budget-ratio",
+        "0",
+        "--retry-budget-min-per-sec",
+        "0",
+    ];
+    let mut workers = [Worker::start("w1"), Worker::start("w2")];
+    let mut r = router(&[&workers[0], &workers[1]], &budget).await;
+    let mut delivered = 0;
+    let out = collect(&mut r.client, request(60), |worker, tokens| {
+        if tokens >= 10 && delivered == 0 {
+            delivered = tokens;
+            workers.iter_mut().find(|w| w.id == worker).unwrap().kill();
+        }
+    })
+    .await;
+    let status = out.expect_err("no failover is allowed");
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    let want = format!("worker lost after {delivered} tokens were delivered and no other worker could continue: retry budget exhausted, not retrying");
+    assert_eq!(status.message(), want);
+}
+
+#[tokio::test]
+async fn a_queued_request_gets_the_version_that_is_ready_when_it_is_admitted() {
+    // Without a policy the newest ready version serves: v2, while it lives.
+    let old = Worker::of_version("w-v1", "v1");
+    let mut new = Worker::of_version("w-v2", "v2");
+    let flags = [
+        "--max-in-flight",
+        "1",
+        "--max-queue-wait-ms",
+        "10000",
+        "--status-interval-ms",
+        "50",
+    ];
+    let mut r = router(&[&old, &new], &flags).await;
+    // A long stream on v1 takes the only slot...
+    let pinned = GenerateRequest {
+        version: Some("v1".into()),
+        ..request(400)
+    };
+    let mut first = r.client.generate(pinned).await.unwrap().into_inner();
+    first.message().await.unwrap().unwrap();
+    // ...so the next request waits in the queue, while v2 goes away.
+    let mut c = r.client.clone();
+    let queued = tokio::spawn(async move { collect(&mut c, request(2), |_, _| {}).await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    new.kill();
+    loop {
+        let models = r.client.list_models(ListModelsRequest {}).await.unwrap();
+        let v2 = models.into_inner().models[0]
+            .versions
+            .iter()
+            .find(|v| v.version == "v2")
+            .map(|v| v.ready_workers);
+        if v2 == Some(0) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(!queued.is_finished(), "the request was not kept waiting");
+    // Chosen before admission it would have gone to v2 and failed; chosen
+    // after, it is served by v1 once the slot is free.
+    while first.message().await.unwrap().is_some() {}
+    let out = queued
+        .await
+        .unwrap()
+        .expect("served by the version still ready");
+    assert_eq!(out.worker, "w-v1");
+}
