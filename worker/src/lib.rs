@@ -158,11 +158,13 @@ async fn start_engine(cfg: &WorkerConfig, worker_id: &str) -> Result<StartedEngi
             .await??;
     let started = Instant::now();
     let load_path = path.clone();
-    let threads = cfg.threads;
-    let model = tokio::task::spawn_blocking(move || {
-        LoadedModel::load_with_threads(&load_path, &device, threads)
-    })
-    .await??;
+    let opts = engine::LoadOptions {
+        threads: cfg.threads,
+        cpu_kernels: engine::CpuKernels::new(cfg.cpu_simd, cfg.cpu_vnni),
+    };
+    let model =
+        tokio::task::spawn_blocking(move || LoadedModel::load_with(&load_path, &device, &opts))
+            .await??;
     let model = Arc::new(model);
     let model_name = cfg
         .model_name

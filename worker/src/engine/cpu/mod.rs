@@ -14,6 +14,7 @@
 //! (`threads`), tuned for a step's many short parallel regions.
 #[allow(unsafe_code)]
 mod attention;
+pub mod kernels;
 #[allow(unsafe_code)]
 pub mod matmul;
 pub mod quant;
@@ -26,11 +27,12 @@ mod threads;
 #[allow(unsafe_code, clippy::needless_range_loop)]
 mod x86;
 
-use super::kv_pool::KvPool;
-use super::llama::{LlamaConfig, ModelError, SeqStep};
+use super::kv::KvPool;
+use super::model::{check_step, LlamaConfig, ModelError, SeqStep};
 use attention::{Heads, SeqRows};
 use candle_core::quantized::{gguf_file, GgmlDType};
 use candle_core::Device;
+pub use kernels::CpuKernels;
 use matmul::{Blocks, Linear, QMatrix};
 use quant::{BlockQ8A, QK};
 use std::io::{Read, Seek, SeekFrom};
@@ -152,23 +154,26 @@ fn vector<R: Read + Seek>(
 }
 
 impl CpuLlama {
-    /// Reads the weights, keeping Q4_1 and Q8_0 blocks as they are, and
-    /// starts `threads` compute threads (the caller's included).
+    /// Reads the weights, keeping Q4_1 and Q8_0 blocks as they are, laid
+    /// out for `kernels`, and starts `threads` compute threads (the caller's
+    /// included).
     pub fn load<R: Read + Seek>(
         content: &gguf_file::Content,
         reader: &mut R,
         threads: usize,
+        kernels: CpuKernels,
     ) -> Result<Self, ModelError> {
         let cfg = LlamaConfig::from_gguf(content)?;
-        let embed = matrix(content, reader, "token_embd.weight")?.interleaved();
+        let embed = matrix(content, reader, "token_embd.weight")?.interleaved(kernels);
         let mut layers = Vec::with_capacity(cfg.n_layer);
         for i in 0..cfg.n_layer {
             let name = |n: &str| format!("blk.{i}.{n}.weight");
             let mut m = |n: &str| matrix(content, reader, &name(n));
-            let wqkv = Linear::fused(vec![m("attn_q")?, m("attn_k")?, m("attn_v")?]);
-            let wo = Linear::fused(vec![m("attn_output")?]);
-            let w_gate_up = Linear::fused(vec![m("ffn_gate")?, m("ffn_up")?]);
-            let w_down = Linear::fused(vec![m("ffn_down")?]);
+            let fused = |parts| Linear::fused(parts, kernels);
+            let wqkv = fused(vec![m("attn_q")?, m("attn_k")?, m("attn_v")?]);
+            let wo = fused(vec![m("attn_output")?]);
+            let w_gate_up = fused(vec![m("ffn_gate")?, m("ffn_up")?]);
+            let w_down = fused(vec![m("ffn_down")?]);
             layers.push(Layer {
                 attn_norm: vector(content, reader, &name("attn_norm"))?,
                 ffn_norm: vector(content, reader, &name("ffn_norm"))?,
@@ -181,7 +186,7 @@ impl CpuLlama {
         let norm = vector(content, reader, "output_norm.weight")?;
         // Tied embeddings (as in SmolLM2) have no separate output matrix.
         let lm_head = match matrix(content, reader, "output.weight") {
-            Ok(m) => Some(m.interleaved()),
+            Ok(m) => Some(m.interleaved(kernels)),
             Err(ModelError::MissingTensor(_)) => None,
             Err(e) => return Err(e),
         };
@@ -196,14 +201,14 @@ impl CpuLlama {
             layers,
             inv_freq,
             scratch: Mutex::default(),
-            threads: ComputePool::new(threads)
+            threads: ComputePool::new(threads, kernels)
                 .map_err(|e| ModelError::Backend(format!("starting compute threads: {e}")))?,
         };
         tracing::info!(
             weights_mib = model.weight_bytes() >> 20,
             threads = model.threads.threads(),
-            simd = matmul::simd_available(),
-            vnni = matmul::vnni_available(),
+            simd = kernels.simd(),
+            vnni = kernels.vnni(),
             "CPU kernels: quantized weights loaded"
         );
         Ok(model)
@@ -212,6 +217,11 @@ impl CpuLlama {
     /// The model's shape.
     pub fn config(&self) -> &LlamaConfig {
         &self.cfg
+    }
+
+    /// The kernels this model runs.
+    pub fn kernels(&self) -> CpuKernels {
+        self.threads.kernels()
     }
 
     /// Bytes the weights take in memory.
@@ -241,7 +251,7 @@ impl CpuLlama {
         let mut slots: Vec<Vec<usize>> = Vec::with_capacity(batch.len());
         for s in batch.iter() {
             let total = s.cache.len() + s.tokens.len();
-            super::llama::check_step(cfg, pool, s)?;
+            check_step(cfg, pool, s)?;
             slots.push((0..total).map(|p| pool.slot(s.cache, p)).collect());
         }
         let mut seqs = Vec::with_capacity(batch.len());
