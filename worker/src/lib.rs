@@ -119,16 +119,20 @@ async fn start_engine(cfg: &WorkerConfig, worker_id: &str) -> Result<StartedEngi
             first_token_delay_ms,
             "synthetic engine: no model is loaded; output is a deterministic word cycle"
         );
+        let model_name = cfg.model_name.clone().unwrap_or_else(|| "synthetic".into());
+        let synthetic = synthetic::SyntheticConfig {
+            tokens_per_sec: rate,
+            error_rate,
+            first_token_delay: Duration::from_millis(first_token_delay_ms),
+        };
+        let scheduler = SchedulerConfig {
+            labels: labels(&model_name),
+            ..scheduler
+        };
         return Ok(StartedEngine {
             model: Arc::new(synthetic::SyntheticModel),
-            engine: synthetic::start(synthetic::SyntheticConfig {
-                tokens_per_sec: rate,
-                max_batch: scheduler.max_batch,
-                queue_capacity: scheduler.queue_capacity,
-                error_rate,
-                first_token_delay: Duration::from_millis(first_token_delay_ms),
-            }),
-            model_name: cfg.model_name.clone().unwrap_or_else(|| "synthetic".into()),
+            engine: synthetic::start(synthetic, scheduler).map_err(RunError::KvPool)?,
+            model_name,
             digest: "synthetic".into(),
             accelerator: "synthetic",
             device: "synthetic".into(),

@@ -1,5 +1,6 @@
 //! The engine thread: continuous batching over a paged KV cache, driving any
-//! [`StepModel`].
+//! [`StepModel`] (the GGUF model, or the synthetic engine, which thus runs
+//! the same queue, batching and KV accounting).
 //!
 //! Each step:
 //! 1. commands are applied and sequences whose client left are dropped (their

@@ -5,7 +5,7 @@
 //! unbounded channel per sequence, and a sequence whose receiver is gone
 //! (client cancelled, stream dropped) leaves the batch, and frees its KV
 //! blocks, at the next step. The thread drives a model through
-//! [`StepModel`].
+//! [`StepModel`]: the GGUF model, or the synthetic engine.
 mod engine_loop;
 pub mod queue;
 
@@ -122,8 +122,7 @@ pub struct SchedulerConfig {
     pub labels: Vec<(&'static str, String)>,
 }
 
-/// What an engine's handle sends it; every engine (the model's thread, the
-/// synthetic task) consumes the same commands.
+/// What an engine's handle sends its thread.
 pub(crate) enum Command {
     Submit(Box<SequenceRequest>),
     Abort(String),
@@ -176,7 +175,7 @@ impl EngineHandle {
     /// A handle and the command receiver its engine consumes; the engine
     /// keeps `stats.active` current, the handle and the engine share
     /// `stats.queued`.
-    pub(crate) fn channel(queue_capacity: usize) -> (Self, mpsc::UnboundedReceiver<Command>) {
+    fn channel(queue_capacity: usize) -> (Self, mpsc::UnboundedReceiver<Command>) {
         let (tx, rx) = mpsc::unbounded_channel();
         let handle = Self {
             tx,
