@@ -480,3 +480,6 @@ fn next_token<M: StepModel>(
         None
     }
 }
+
+#[cfg(test)]
+mod tests;
