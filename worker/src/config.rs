@@ -85,6 +85,31 @@ pub struct WorkerConfig {
     #[arg(long, env = "TOKENMESH_THREADS")]
     pub threads: Option<usize>,
 
+    /// CPU device: run the SIMD (AVX2) kernels where the CPU has them;
+    /// false (or 0) runs the portable loops, to test or compare them.
+    #[arg(
+        long,
+        env = "TOKENMESH_CPU_SIMD",
+        value_name = "BOOL",
+        default_value = "true",
+        value_parser = clap::builder::BoolishValueParser::new(),
+        action = clap::ArgAction::Set
+    )]
+    pub cpu_simd: bool,
+
+    /// CPU device: run the AVX-512 VNNI variants of the integer kernels where
+    /// the CPU has them (same results, fewer instructions); false (or 0)
+    /// keeps plain AVX2, to compare.
+    #[arg(
+        long,
+        env = "TOKENMESH_CPU_VNNI",
+        value_name = "BOOL",
+        default_value = "true",
+        value_parser = clap::builder::BoolishValueParser::new(),
+        action = clap::ArgAction::Set
+    )]
+    pub cpu_vnni: bool,
+
     /// Sequences decoded together in one step.
     #[arg(long, env = "TOKENMESH_MAX_BATCH", default_value_t = 8)]
     pub max_batch: usize,

@@ -84,7 +84,23 @@ async fn start_engine(cfg: &WorkerConfig, worker_id: &str) -> Result<StartedEngi
             ("worker", worker_id.to_string()),
         ]
     };
-    let scheduler = SchedulerConfig {
+    match cfg.engine {
+        EngineKind::Synthetic => start_synthetic(cfg, labels),
+        EngineKind::Model => {
+            if cfg.synthetic_error_rate.is_some() {
+                return Err(RunError::SyntheticOnly("--synthetic-error-rate"));
+            }
+            if cfg.synthetic_first_token_delay_ms.is_some() {
+                return Err(RunError::SyntheticOnly("--synthetic-first-token-delay-ms"));
+            }
+            start_model(cfg, labels).await
+        }
+    }
+}
+
+/// The scheduler's settings from the flags, with the metrics' labels.
+fn scheduler_config(cfg: &WorkerConfig, labels: Vec<(&'static str, String)>) -> SchedulerConfig {
+    SchedulerConfig {
         max_batch: cfg.max_batch.max(1),
         queue_capacity: cfg.queue_capacity,
         max_tokens_per_step: cfg.max_tokens_per_step.max(1),
@@ -93,46 +109,52 @@ async fn start_engine(cfg: &WorkerConfig, worker_id: &str) -> Result<StartedEngi
         kv_budget_bytes: cfg.kv_budget_mib << 20,
         kv_block_size: cfg.kv_block_size.max(1),
         priority_aging: Duration::from_millis(cfg.priority_aging_ms),
-        labels: vec![],
+        labels,
+    }
+}
+
+/// The synthetic engine behind the real scheduler; no model is loaded.
+fn start_synthetic(
+    cfg: &WorkerConfig,
+    labels: impl Fn(&str) -> Vec<(&'static str, String)>,
+) -> Result<StartedEngine, RunError> {
+    let rate = cfg.synthetic_tokens_per_sec;
+    if !(rate.is_finite() && rate > 0.0) {
+        return Err(RunError::SyntheticRate(rate));
+    }
+    let error_rate = cfg.synthetic_error_rate.unwrap_or(0.0);
+    let first_token_delay_ms = cfg.synthetic_first_token_delay_ms.unwrap_or(0);
+    tracing::warn!(
+        tokens_per_sec = rate,
+        max_batch = cfg.max_batch.max(1),
+        error_rate,
+        first_token_delay_ms,
+        "synthetic engine: no model is loaded; output is a deterministic word cycle"
+    );
+    let model_name = cfg.model_name.clone().unwrap_or_else(|| "synthetic".into());
+    let synthetic = synthetic::SyntheticConfig {
+        tokens_per_sec: rate,
+        error_rate,
+        first_token_delay: Duration::from_millis(first_token_delay_ms),
     };
-    if cfg.engine != EngineKind::Synthetic {
-        if cfg.synthetic_error_rate.is_some() {
-            return Err(RunError::SyntheticOnly("--synthetic-error-rate"));
-        }
-        if cfg.synthetic_first_token_delay_ms.is_some() {
-            return Err(RunError::SyntheticOnly("--synthetic-first-token-delay-ms"));
-        }
-    }
-    if cfg.engine == EngineKind::Synthetic {
-        let rate = cfg.synthetic_tokens_per_sec;
-        if !(rate.is_finite() && rate > 0.0) {
-            return Err(RunError::SyntheticRate(rate));
-        }
-        let error_rate = cfg.synthetic_error_rate.unwrap_or(0.0);
-        let first_token_delay_ms = cfg.synthetic_first_token_delay_ms.unwrap_or(0);
-        tracing::warn!(
-            tokens_per_sec = rate,
-            max_batch = scheduler.max_batch,
-            error_rate,
-            first_token_delay_ms,
-            "synthetic engine: no model is loaded; output is a deterministic word cycle"
-        );
-        return Ok(StartedEngine {
-            model: Arc::new(synthetic::SyntheticModel),
-            engine: synthetic::start(synthetic::SyntheticConfig {
-                tokens_per_sec: rate,
-                max_batch: scheduler.max_batch,
-                queue_capacity: scheduler.queue_capacity,
-                error_rate,
-                first_token_delay: Duration::from_millis(first_token_delay_ms),
-            }),
-            model_name: cfg.model_name.clone().unwrap_or_else(|| "synthetic".into()),
-            digest: "synthetic".into(),
-            accelerator: "synthetic",
-            device: "synthetic".into(),
-            accel: None,
-        });
-    }
+    let scheduler = scheduler_config(cfg, labels(&model_name));
+    Ok(StartedEngine {
+        model: Arc::new(synthetic::SyntheticModel),
+        engine: synthetic::start(synthetic, scheduler).map_err(RunError::KvPool)?,
+        model_name,
+        digest: "synthetic".into(),
+        accelerator: "synthetic",
+        device: "synthetic".into(),
+        accel: None,
+    })
+}
+
+/// Opens the device, resolves and loads the GGUF model and starts its
+/// engine thread.
+async fn start_model(
+    cfg: &WorkerConfig,
+    labels: impl Fn(&str) -> Vec<(&'static str, String)>,
+) -> Result<StartedEngine, RunError> {
     let accel = accelerator::Accelerator::open(&cfg.device)?;
     match accel.memory() {
         Some((used, total)) => tracing::info!(
@@ -149,11 +171,13 @@ async fn start_engine(cfg: &WorkerConfig, worker_id: &str) -> Result<StartedEngi
     let path = tokio::task::spawn_blocking(move || source.resolve()).await??;
     let started = Instant::now();
     let load_path = path.clone();
-    let threads = cfg.threads;
-    let model = tokio::task::spawn_blocking(move || {
-        LoadedModel::load_with_threads(&load_path, &device, threads)
-    })
-    .await??;
+    let opts = engine::LoadOptions {
+        threads: cfg.threads,
+        cpu_kernels: engine::CpuKernels::new(cfg.cpu_simd, cfg.cpu_vnni),
+    };
+    let model =
+        tokio::task::spawn_blocking(move || LoadedModel::load_with(&load_path, &device, &opts))
+            .await??;
     let model = Arc::new(model);
     let model_name = cfg
         .model_name
@@ -166,10 +190,7 @@ async fn start_engine(cfg: &WorkerConfig, worker_id: &str) -> Result<StartedEngi
         secs = started.elapsed().as_secs_f32(),
         "model loaded"
     );
-    let scheduler = SchedulerConfig {
-        labels: labels(&model_name),
-        ..scheduler
-    };
+    let scheduler = scheduler_config(cfg, labels(&model_name));
     Ok(StartedEngine {
         engine: EngineHandle::start(model.clone(), scheduler).map_err(RunError::KvPool)?,
         digest: model.digest.clone(),

@@ -22,11 +22,11 @@ pub trait PromptModel: Send + Sync + 'static {
 
 impl PromptModel for LoadedModel {
     fn context_length(&self) -> usize {
-        self.llama.config().context_length
+        self.backend.config().context_length
     }
 
     fn vocab_size(&self) -> usize {
-        self.llama.vocab_size()
+        self.backend.vocab_size()
     }
 
     fn encode_prompt(&self, g: &GenerateRequest) -> Result<Vec<u32>, WorkerError> {

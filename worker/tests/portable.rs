@@ -1,18 +1,23 @@
-//! The portable kernels (what a CPU without AVX2 runs) end to end: with
-//! `TOKENMESH_CPU_SIMD=0` the model answers the reference chat prompt as the
-//! SIMD kernels and llama.cpp do. Its own test binary, so the setting is in
-//! place before any kernel runs.
+//! The portable kernels (what a CPU without AVX2 runs) end to end: with the
+//! SIMD kernels turned off (`--cpu-simd false`), the model answers the
+//! reference chat prompt as the SIMD kernels and llama.cpp do.
 mod common;
 
-use tokenmesh_worker::engine::cpu::matmul::simd_available;
-use tokenmesh_worker::engine::LoadedModel;
+use tokenmesh_worker::engine::backend::Backend;
+use tokenmesh_worker::engine::{CpuKernels, LoadOptions, LoadedModel};
 
 #[test]
 fn portable_kernels_answer_like_the_simd_ones() {
-    std::env::set_var("TOKENMESH_CPU_SIMD", "0");
-    assert!(!simd_available());
-    let model =
-        LoadedModel::load(&common::model_path(), &candle_core::Device::Cpu).expect("model loads");
+    let opts = LoadOptions {
+        cpu_kernels: CpuKernels::new(false, true),
+        ..Default::default()
+    };
+    let model = LoadedModel::load_with(&common::model_path(), &candle_core::Device::Cpu, &opts)
+        .expect("model loads");
+    let Backend::Cpu(cpu) = &model.backend else {
+        panic!("the CPU backend");
+    };
+    assert_eq!(cpu.kernels(), CpuKernels::portable());
     assert_eq!(
         common::france_reply(&model),
         "The capital of France is Paris."

@@ -12,9 +12,10 @@ use common::{forward_one, france_reply, model_path};
 use serde_json::Value;
 use std::path::PathBuf;
 use tokenmesh_worker::engine::backend::Backend;
+use tokenmesh_worker::engine::candle::CandleLlama;
 use tokenmesh_worker::engine::chat_template::ChatTurn;
-use tokenmesh_worker::engine::kv_pool::KvCache;
-use tokenmesh_worker::engine::llama::{argmax, LlamaModel};
+use tokenmesh_worker::engine::kv::KvCache;
+use tokenmesh_worker::engine::sampling::argmax;
 use tokenmesh_worker::engine::LoadedModel;
 
 /// Two tokens count as a near-tie when llama.cpp's probabilities for them
@@ -94,13 +95,13 @@ fn greedy_matches_llama_cpp() {
         );
 
         // Follow llama.cpp's tokens, so that every step compares the same context.
-        let mut pool = model.llama.kv_pool(64 << 20, 16).unwrap();
+        let mut pool = model.backend.kv_pool(64 << 20, 16).unwrap();
         let mut cache = KvCache::default();
         let mut feed = ids.clone();
         let mut diverged = 0;
         let mut drift = 0f32;
         for (i, step) in case["steps"].as_array().unwrap().iter().enumerate() {
-            let logits = forward_one(&model.llama, &mut pool, &feed, &mut cache);
+            let logits = forward_one(&model.backend, &mut pool, &feed, &mut cache);
             let ours = argmax(&logits);
             let theirs = step["token_id"].as_u64().unwrap() as u32;
             let p = probs(&logits);
@@ -162,11 +163,11 @@ fn cpu_kernels_agree_with_dense_forward() {
         return; // the CPU kernels only run on the CPU
     }
     let model = LoadedModel::load(&model_path(), &candle_core::Device::Cpu).expect("model loads");
-    assert!(matches!(model.llama, Backend::Cpu(_)));
+    assert!(matches!(model.backend, Backend::Cpu(_)));
     let dense = {
         let mut file = std::fs::File::open(model_path()).unwrap();
         let content = candle_core::quantized::gguf_file::Content::read(&mut file).unwrap();
-        Backend::Candle(LlamaModel::load(&content, &mut file, &candle_core::Device::Cpu).unwrap())
+        Backend::Candle(CandleLlama::load(&content, &mut file, &candle_core::Device::Cpu).unwrap())
     };
     let prompt = model
         .template
@@ -182,14 +183,19 @@ fn cpu_kernels_agree_with_dense_forward() {
         .unwrap();
     let ids = model.tokenizer.encode(&prompt).unwrap();
     let (mut pool_q, mut pool_d) = (
-        model.llama.kv_pool(16 << 20, 16).unwrap(),
+        model.backend.kv_pool(16 << 20, 16).unwrap(),
         dense.kv_pool(16 << 20, 16).unwrap(),
     );
     let (mut cache_q, mut cache_d) = (KvCache::default(), KvCache::default());
     let mut feed = ids;
     let mut drift = 0f32;
     for step in 0..24 {
-        let q = probs(&forward_one(&model.llama, &mut pool_q, &feed, &mut cache_q));
+        let q = probs(&forward_one(
+            &model.backend,
+            &mut pool_q,
+            &feed,
+            &mut cache_q,
+        ));
         let d = probs(&forward_one(&dense, &mut pool_d, &feed, &mut cache_d));
         let worst = q
             .iter()

@@ -1,8 +1,9 @@
 //! The forward pass behind one interface: our quantized CPU kernels, or
 //! candle's tensors on an accelerator.
-use super::cpu::CpuLlama;
-use super::kv_pool::KvPool;
-use super::llama::{LlamaConfig, LlamaModel, ModelError, SeqStep};
+use super::candle::CandleLlama;
+use super::cpu::{CpuKernels, CpuLlama};
+use super::kv::KvPool;
+use super::model::{LlamaConfig, Logits, ModelError, SeqStep};
 use candle_core::quantized::gguf_file;
 use candle_core::Device;
 use std::io::{Read, Seek};
@@ -12,45 +13,38 @@ pub enum Backend {
     /// Quantized weights as stored, SIMD kernels (`--device cpu`).
     Cpu(Box<CpuLlama>),
     /// Dequantized weights as candle tensors (`--device cuda:N`).
-    Candle(LlamaModel),
+    Candle(CandleLlama),
 }
 
-/// The logits of one step: one row of `vocab` values per sequence.
-pub struct Logits {
-    values: Vec<f32>,
-    vocab: usize,
-}
-
-impl Logits {
-    /// Rows, in the order of the step's sequences.
-    pub fn rows_mut(&mut self) -> std::slice::ChunksExactMut<'_, f32> {
-        self.values.chunks_exact_mut(self.vocab)
-    }
-
-    /// Row `i`.
-    pub fn row(&self, i: usize) -> &[f32] {
-        &self.values[i * self.vocab..(i + 1) * self.vocab]
-    }
+/// How a model is loaded: settings of the CPU backend (the worker's
+/// `--threads`, `--cpu-simd` and `--cpu-vnni`).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LoadOptions {
+    /// Compute threads on the CPU (None: every core).
+    pub threads: Option<usize>,
+    /// Which CPU kernels run, narrowed to what the CPU has.
+    pub cpu_kernels: CpuKernels,
 }
 
 impl Backend {
-    /// Loads the weights for `device`: the CPU kernels on the CPU (with
-    /// `threads` compute threads, None for every core), candle on anything
-    /// else.
+    /// Loads the weights for `device`: the CPU kernels on the CPU, candle on
+    /// anything else.
     pub fn load<R: Read + Seek>(
         content: &gguf_file::Content,
         reader: &mut R,
         device: &Device,
-        threads: Option<usize>,
+        opts: &LoadOptions,
     ) -> Result<Self, ModelError> {
         Ok(match device {
             Device::Cpu => {
-                let threads = threads
+                let threads = opts
+                    .threads
                     .filter(|&n| n > 0)
                     .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-                Backend::Cpu(Box::new(CpuLlama::load(content, reader, threads)?))
+                let m = CpuLlama::load(content, reader, threads, opts.cpu_kernels)?;
+                Backend::Cpu(Box::new(m))
             }
-            _ => Backend::Candle(LlamaModel::load(content, reader, device)?),
+            _ => Backend::Candle(CandleLlama::load(content, reader, device)?),
         })
     }
 
@@ -71,8 +65,14 @@ impl Backend {
     /// kernels, tensors on the device for candle.
     pub fn kv_pool(&self, budget_bytes: usize, block_size: usize) -> candle_core::Result<KvPool> {
         match self {
-            Backend::Cpu(m) => Ok(KvPool::new_host(m.config(), budget_bytes, block_size)),
-            Backend::Candle(m) => KvPool::new(m.config(), budget_bytes, block_size, m.device()),
+            Backend::Cpu(m) => Ok(KvPool::host(
+                m.config().kv_shape(),
+                budget_bytes,
+                block_size,
+            )),
+            Backend::Candle(m) => {
+                KvPool::tensors(m.config().kv_shape(), budget_bytes, block_size, m.device())
+            }
         }
     }
 
@@ -88,6 +88,6 @@ impl Backend {
             Backend::Cpu(m) => m.forward(pool, batch)?,
             Backend::Candle(m) => m.forward(pool, batch)?.flatten_all()?.to_vec1::<f32>()?,
         };
-        Ok(Logits { values, vocab })
+        Ok(Logits::new(values, vocab))
     }
 }

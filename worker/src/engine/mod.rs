@@ -1,21 +1,28 @@
 //! The model: GGUF weights, tokenizer and chat template, loaded once and
 //! shared read-only by the engine thread and the request handlers.
 pub mod backend;
+pub mod candle;
 pub mod chat_template;
 pub mod cpu;
 pub mod detokenize;
-pub mod kv_pool;
-pub mod llama;
+pub mod kv;
+pub mod model;
 pub mod sampling;
 pub mod tokenizer;
+
+pub use backend::LoadOptions;
+pub use cpu::CpuKernels;
 
 use backend::Backend;
 use candle_core::quantized::gguf_file;
 use candle_core::Device;
 use chat_template::ChatTemplate;
+use kv::KvPool;
+use model::{BatchSeq, ModelError, SeqStart, SeqStep, StepModel, StepOutput};
 use sha2::{Digest, Sha256};
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use tokenizer::GgufTokenizer;
 
 /// Errors while loading a model file.
@@ -32,7 +39,7 @@ pub enum LoadError {
         source: candle_core::Error,
     },
     #[error(transparent)]
-    Model(#[from] llama::ModelError),
+    Model(#[from] ModelError),
     #[error(transparent)]
     Tokenizer(#[from] tokenizer::TokenizerError),
     #[error(transparent)]
@@ -41,7 +48,7 @@ pub enum LoadError {
 
 /// Everything the worker knows about its model.
 pub struct LoadedModel {
-    pub llama: Backend,
+    pub backend: Backend,
     pub tokenizer: GgufTokenizer,
     /// None when the GGUF file carries no chat template.
     pub template: Option<ChatTemplate>,
@@ -54,18 +61,14 @@ pub struct LoadedModel {
 
 impl LoadedModel {
     /// Reads and prepares a GGUF model on `device`, with every core as a
-    /// compute thread on the CPU.
+    /// compute thread on the CPU and the fastest kernels it has.
     pub fn load(path: &Path, device: &Device) -> Result<Self, LoadError> {
-        Self::load_with_threads(path, device, None)
+        Self::load_with(path, device, &LoadOptions::default())
     }
 
-    /// Reads and prepares a GGUF model on `device`; on the CPU, `threads`
-    /// compute threads (None: every core).
-    pub fn load_with_threads(
-        path: &Path,
-        device: &Device,
-        threads: Option<usize>,
-    ) -> Result<Self, LoadError> {
+    /// Reads and prepares a GGUF model on `device`, the CPU backend set up
+    /// by `opts`.
+    pub fn load_with(path: &Path, device: &Device, opts: &LoadOptions) -> Result<Self, LoadError> {
         let io = |source| LoadError::Io {
             path: path.to_path_buf(),
             source,
@@ -85,9 +88,9 @@ impl LoadedModel {
             .get("general.name")
             .and_then(|v| v.to_string().ok())
             .cloned();
-        let llama = Backend::load(&content, &mut file, device, threads)?;
+        let backend = Backend::load(&content, &mut file, device, opts)?;
         Ok(Self {
-            llama,
+            backend,
             tokenizer,
             template,
             metadata_name,
@@ -100,6 +103,39 @@ impl LoadedModel {
     /// (see `normalize_name`).
     pub fn default_name(&self) -> String {
         normalize_name(self.metadata_name.as_deref(), &self.path)
+    }
+}
+
+/// The real model as the scheduler drives it: the backend's forward pass,
+/// the tokenizer's bytes and end-of-turn tokens.
+impl StepModel for Arc<LoadedModel> {
+    type SeqState = ();
+
+    fn context_length(&self) -> usize {
+        self.backend.config().context_length
+    }
+
+    fn eos_token_ids(&self) -> &[u32] {
+        self.tokenizer.eos_token_ids()
+    }
+
+    fn token_bytes(&self, id: u32) -> &[u8] {
+        self.tokenizer.token_bytes(id)
+    }
+
+    fn kv_pool(&self, budget_bytes: usize, block_size: usize) -> candle_core::Result<KvPool> {
+        self.backend.kv_pool(budget_bytes, block_size)
+    }
+
+    fn start_seq(&self, _: SeqStart<'_>) {}
+
+    fn step(
+        &mut self,
+        pool: &mut KvPool,
+        batch: &mut [BatchSeq<'_, ()>],
+    ) -> Result<StepOutput, ModelError> {
+        let mut steps: Vec<SeqStep<'_>> = batch.iter_mut().map(|b| b.step.reborrow()).collect();
+        Ok(self.backend.forward(pool, &mut steps)?.into())
     }
 }
 

@@ -77,7 +77,7 @@ impl Sampler {
         }
         let log_z = log_sum_exp(logits);
         let token = if p.temperature <= 0.0 {
-            crate::engine::llama::argmax(logits)
+            argmax(logits)
         } else {
             self.sample_stochastic(logits)
         };
@@ -125,6 +125,17 @@ impl Sampler {
         }
         cand[probs.len() - 1].0
     }
+}
+
+/// Index of the largest logit (greedy decoding), ties to the lowest id.
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &l) in logits.iter().enumerate() {
+        if l > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
 }
 
 fn log_sum_exp(xs: &[f32]) -> f32 {

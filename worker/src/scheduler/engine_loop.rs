@@ -1,4 +1,6 @@
-//! The model's engine thread: continuous batching over a paged KV cache.
+//! The engine thread: continuous batching over a paged KV cache, driving any
+//! [`StepModel`] (the GGUF model, or the synthetic engine, which thus runs
+//! the same queue, batching and KV accounting).
 //!
 //! Each step:
 //! 1. commands are applied and sequences whose client left are dropped (their
@@ -11,22 +13,23 @@
 //! 4. prompts are read in chunks that fit the step's token budget, so running
 //!    streams keep getting a token every step while a long prompt is read;
 //! 5. one forward pass runs every sequence's share; sequences whose context is
-//!    fully read sample their next token.
+//!    fully read sample their next token (a sequence the model failed leaves
+//!    with its error).
 use super::queue::PriorityQueue;
 use super::{Command, EngineStats, Event, Finish, SchedulerConfig, SequenceRequest};
 use crate::engine::detokenize::TextStream;
-use crate::engine::kv_pool::{KvCache, KvPool};
-use crate::engine::llama::SeqStep;
+use crate::engine::kv::{KvCache, KvPool};
+use crate::engine::model::{BatchSeq, ModelError, SeqStart, SeqStep, StepModel, StepOutput};
 use crate::engine::sampling::{Sampler, PENALTY_WINDOW};
-use crate::engine::LoadedModel;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
-/// One sequence, waiting or running. It keeps its sampler and decoder state
-/// across a preemption, so recomputation continues exactly where it stopped.
-struct Seq {
+/// One sequence, waiting or running. It keeps its sampler, decoder and model
+/// state across a preemption, so recomputation continues exactly where it
+/// stopped.
+struct Seq<S> {
     req: SequenceRequest,
     cache: KvCache,
     sampler: Sampler,
@@ -40,36 +43,45 @@ struct Seq {
     prefilling: bool,
     /// Tokens of `req.context` this step feeds (set while planning).
     chunk: usize,
+    /// What the model keeps for this sequence.
+    state: S,
 }
 
-impl Seq {
+/// How a running sequence ends.
+enum End {
+    Finished(Finish, Option<String>),
+    /// The model failed it.
+    Failed(String),
+}
+
+impl<S> Seq<S> {
     /// Context tokens not yet in the KV cache.
     fn pending(&self) -> usize {
         self.req.context.len() - self.cache.len()
     }
 }
 
-pub(super) struct Scheduler {
-    model: Arc<LoadedModel>,
+/// The engine's state: the queue, the batch and the pool. Each method is one
+/// part of a step, so tests can run them without the thread.
+pub(super) struct Scheduler<M: StepModel> {
+    model: M,
     cfg: SchedulerConfig,
     stats: Arc<EngineStats>,
     pool: KvPool,
-    waiting: PriorityQueue<Seq>,
+    waiting: PriorityQueue<Seq<M::SeqState>>,
     /// Running sequences, oldest admission first.
-    active: Vec<Seq>,
+    active: Vec<Seq<M::SeqState>>,
     /// Smoothed seconds per token of recent steps, for the latency target.
     secs_per_token: f64,
 }
 
-impl Scheduler {
+impl<M: StepModel> Scheduler<M> {
     pub(super) fn new(
-        model: Arc<LoadedModel>,
+        model: M,
         cfg: SchedulerConfig,
         stats: Arc<EngineStats>,
     ) -> Result<Self, candle_core::Error> {
-        let pool = model
-            .llama
-            .kv_pool(cfg.kv_budget_bytes, cfg.kv_block_size)?;
+        let pool = model.kv_pool(cfg.kv_budget_bytes, cfg.kv_block_size)?;
         stats
             .kv_blocks_total
             .store(pool.total_blocks() as u32, Ordering::SeqCst);
@@ -100,53 +112,24 @@ impl Scheduler {
                     Err(mpsc::error::TryRecvError::Disconnected) => return,
                 }
             }
-            self.drop_cancelled();
-            self.admit();
-            if !self.active.is_empty() {
-                self.step();
-            }
-            self.publish();
+            self.tick();
         }
     }
 
-    fn handle(&mut self, cmd: Command) {
+    /// One turn of the loop after the commands: drop the departed, admit,
+    /// step, publish the counters.
+    pub(super) fn tick(&mut self) {
+        self.drop_cancelled();
+        self.admit();
+        if !self.active.is_empty() {
+            self.step();
+        }
+        self.publish();
+    }
+
+    pub(super) fn handle(&mut self, cmd: Command) {
         match cmd {
-            Command::Submit(req) => {
-                let req = *req;
-                let mut text = TextStream::new(req.stop.clone());
-                // Replay what was delivered before a failover so that held-back
-                // bytes and stop-string prefixes are where the client left them.
-                let emitted_from = req.context.len() - req.already_emitted;
-                for &t in &req.context[emitted_from..] {
-                    text.push(self.model.tokenizer.token_bytes(t));
-                }
-                let needed = self.pool.blocks_for(req.context.len() + 1);
-                if needed > self.pool.total_blocks() {
-                    self.stats.queued.fetch_sub(1, Ordering::SeqCst);
-                    let _ = req.events.send(Event::Rejected(format!(
-                        "the prompt needs {needed} KV cache blocks but the worker's pool has {}; \
-                         shorten the prompt or raise the worker's --kv-budget-mib",
-                        self.pool.total_blocks()
-                    )));
-                    return;
-                }
-                let phase =
-                    tracing::info_span!(parent: &req.span, "queue", priority = ?req.priority);
-                let (priority, at) = (req.priority, req.enqueued);
-                let seq = Seq {
-                    cache: KvCache::default(),
-                    sampler: Sampler::new(req.sampling.clone()),
-                    text,
-                    generated: req.already_emitted,
-                    first_token: None,
-                    started: false,
-                    phase,
-                    prefilling: true,
-                    chunk: 0,
-                    req,
-                };
-                self.waiting.push(priority, at, seq);
-            }
+            Command::Submit(req) => self.submit(*req),
             Command::Abort(id) => {
                 self.remove_waiting(|s| s.req.request_id == id);
                 self.remove_active(|s| s.req.request_id == id);
@@ -154,18 +137,60 @@ impl Scheduler {
         }
     }
 
+    /// Queues a submitted sequence, or rejects one that could never fit.
+    fn submit(&mut self, req: SequenceRequest) {
+        let needed = self.pool.blocks_for(req.context.len() + 1);
+        if needed > self.pool.total_blocks() {
+            self.stats.queued.fetch_sub(1, Ordering::SeqCst);
+            let _ = req.events.send(Event::Rejected(format!(
+                "the prompt needs {needed} KV cache blocks but the worker's pool has {}; \
+                 shorten the prompt or raise the worker's --kv-budget-mib",
+                self.pool.total_blocks()
+            )));
+            return;
+        }
+        let mut text = TextStream::new(req.stop.clone());
+        // Replay what was delivered before a failover so that held-back
+        // bytes and stop-string prefixes are where the client left them.
+        let emitted_from = req.context.len() - req.already_emitted;
+        for &t in &req.context[emitted_from..] {
+            text.push(self.model.token_bytes(t));
+        }
+        let state = self.model.start_seq(SeqStart {
+            request_id: &req.request_id,
+            prompt: &req.context[..emitted_from],
+            emitted: &req.context[emitted_from..],
+        });
+        let phase = tracing::info_span!(parent: &req.span, "queue", priority = ?req.priority);
+        let (priority, at) = (req.priority, req.enqueued);
+        let seq = Seq {
+            cache: KvCache::default(),
+            sampler: Sampler::new(req.sampling.clone()),
+            text,
+            generated: req.already_emitted,
+            first_token: None,
+            started: false,
+            phase,
+            prefilling: true,
+            chunk: 0,
+            state,
+            req,
+        };
+        self.waiting.push(priority, at, seq);
+    }
+
     fn drop_cancelled(&mut self) {
         self.remove_waiting(|s| s.req.events.is_closed());
         self.remove_active(|s| s.req.events.is_closed());
     }
 
-    fn remove_waiting(&mut self, gone: impl Fn(&Seq) -> bool) {
+    fn remove_waiting(&mut self, gone: impl Fn(&Seq<M::SeqState>) -> bool) {
         // Preempted sequences hold no blocks, so nothing to release here.
         let removed = self.waiting.remove_where(|s| gone(s)) as u32;
         self.stats.queued.fetch_sub(removed, Ordering::SeqCst);
     }
 
-    fn remove_active(&mut self, gone: impl Fn(&Seq) -> bool) {
+    fn remove_active(&mut self, gone: impl Fn(&Seq<M::SeqState>) -> bool) {
         let mut i = 0;
         while i < self.active.len() {
             if gone(&self.active[i]) {
@@ -228,7 +253,7 @@ impl Scheduler {
                     if self.active.len() == 1 {
                         // Alone and still short: the pool is this sequence's
                         // context limit, like the context window.
-                        self.finish(i, Finish::Length, None);
+                        self.finish(i, End::Finished(Finish::Length, None));
                         return;
                     }
                     let youngest = self.active.len() - 1;
@@ -295,23 +320,8 @@ impl Scheduler {
             return;
         }
         metrics::histogram!("llm_batch_size", &self.cfg.labels).record(stepping.len() as f64);
-        let logits = {
-            let mut batch: Vec<SeqStep<'_>> = self
-                .active
-                .iter_mut()
-                .filter(|s| s.chunk > 0)
-                .map(|s| {
-                    let from = s.cache.len();
-                    SeqStep {
-                        tokens: &s.req.context[from..from + s.chunk],
-                        cache: &mut s.cache,
-                    }
-                })
-                .collect();
-            self.model.llama.forward(&mut self.pool, &mut batch)
-        };
-        let mut logits = match logits {
-            Ok(l) => l,
+        let output = match self.forward() {
+            Ok(output) => output,
             Err(e) => {
                 tracing::error!(error = %e, "forward pass failed");
                 for mut s in self.active.drain(..) {
@@ -328,55 +338,70 @@ impl Scheduler {
         } else {
             0.8 * self.secs_per_token + 0.2 * per_token
         };
+        self.emit(&stepping, output);
+    }
 
-        let eos = self.model.tokenizer.eos_token_ids();
-        let context_length = self.model.llama.config().context_length;
+    /// Runs the model over every sequence's chunk.
+    fn forward(&mut self) -> Result<StepOutput, ModelError> {
+        let mut batch: Vec<BatchSeq<'_, M::SeqState>> = self
+            .active
+            .iter_mut()
+            .filter(|s| s.chunk > 0)
+            .map(|s| {
+                let from = s.cache.len();
+                BatchSeq {
+                    step: SeqStep {
+                        tokens: &s.req.context[from..from + s.chunk],
+                        cache: &mut s.cache,
+                    },
+                    state: &mut s.state,
+                }
+            })
+            .collect();
+        self.model.step(&mut self.pool, &mut batch)
+    }
+
+    /// Samples and sends the next token of every sequence `stepping` (indices
+    /// into the batch) names whose context is now fully read, and ends those
+    /// that are done or that the model failed.
+    fn emit(&mut self, stepping: &[usize], output: StepOutput) {
+        let StepOutput { mut logits, failed } = output;
+        let mut failed: Vec<Option<String>> = {
+            let mut by_row = vec![None; stepping.len()];
+            for (row, why) in failed {
+                if let Some(slot) = by_row.get_mut(row) {
+                    *slot = Some(why);
+                }
+            }
+            by_row
+        };
         let mut done = Vec::new();
-        for (i, row) in stepping.into_iter().zip(logits.rows_mut()) {
-            let s = &mut self.active[i];
-            if s.pending() > 0 {
-                continue; // mid-prompt: these logits are not a prediction we need
-            }
-            let ctx = &s.req.context;
-            let recent = &ctx[ctx.len().saturating_sub(PENALTY_WINDOW)..];
-            let sampled = s.sampler.sample(row, recent);
-            if s.prefilling {
-                s.prefilling = false;
-                s.phase = tracing::info_span!(parent: &s.req.span, "decode", tokens = tracing::field::Empty);
-            }
-            if s.first_token.is_none() {
-                s.first_token = Some(s.req.enqueued.elapsed());
-            }
-            // The end-of-turn token is not part of the output or its usage.
-            if eos.contains(&sampled.token) {
-                done.push((i, Finish::Eos, None));
-                continue;
-            }
-            s.generated += 1;
-            self.stats.tokens_generated.fetch_add(1, Ordering::Relaxed);
-            let released = s.text.push(self.model.tokenizer.token_bytes(sampled.token));
-            let _ = s.req.events.send(Event::Token {
-                id: sampled.token,
-                text: released.text,
-                logprob: s.req.logprobs.then_some(sampled.logprob),
-            });
-            s.req.context.push(sampled.token);
-            if let Some(stop) = released.stop {
-                done.push((i, Finish::Stop, Some(stop)));
-            } else if s.generated >= s.req.max_tokens || s.req.context.len() >= context_length {
-                done.push((i, Finish::Length, None));
+        for ((&i, row), why) in stepping.iter().zip(logits.rows_mut()).zip(&mut failed) {
+            let end = match why.take() {
+                Some(why) => Some(End::Failed(why)),
+                None => next_token(&mut self.active[i], row, &self.model, &self.stats),
+            };
+            if let Some(end) = end {
+                done.push((i, end));
             }
         }
-        for (i, reason, stop) in done.into_iter().rev() {
-            self.finish(i, reason, stop);
+        for (i, end) in done.into_iter().rev() {
+            self.finish(i, end);
         }
     }
 
     /// Ends running sequence `i` and frees its blocks.
-    fn finish(&mut self, i: usize, reason: Finish, stop: Option<String>) {
+    fn finish(&mut self, i: usize, end: End) {
         let mut s = self.active.remove(i);
         self.pool.release(&mut s.cache);
         s.phase.record("tokens", s.generated);
+        let (reason, stop) = match end {
+            End::Finished(reason, stop) => (reason, stop),
+            End::Failed(why) => {
+                let _ = s.req.events.send(Event::Failed(why));
+                return;
+            }
+        };
         let tail = if reason == Finish::Stop {
             String::new()
         } else {
@@ -411,3 +436,50 @@ impl Scheduler {
             .set(used as f64 / self.pool.total_blocks().max(1) as f64);
     }
 }
+
+/// Samples `s`'s next token from `row` when its context is fully read, sends
+/// it, and says whether the sequence has ended.
+fn next_token<M: StepModel>(
+    s: &mut Seq<M::SeqState>,
+    row: &mut [f32],
+    model: &M,
+    stats: &EngineStats,
+) -> Option<End> {
+    if s.pending() > 0 {
+        return None; // mid-prompt: these logits are not a prediction we need
+    }
+    let ctx = &s.req.context;
+    let recent = &ctx[ctx.len().saturating_sub(PENALTY_WINDOW)..];
+    let sampled = s.sampler.sample(row, recent);
+    if s.prefilling {
+        s.prefilling = false;
+        s.phase =
+            tracing::info_span!(parent: &s.req.span, "decode", tokens = tracing::field::Empty);
+    }
+    if s.first_token.is_none() {
+        s.first_token = Some(s.req.enqueued.elapsed());
+    }
+    // The end-of-turn token is not part of the output or its usage.
+    if model.eos_token_ids().contains(&sampled.token) {
+        return Some(End::Finished(Finish::Eos, None));
+    }
+    s.generated += 1;
+    stats.tokens_generated.fetch_add(1, Ordering::Relaxed);
+    let released = s.text.push(model.token_bytes(sampled.token));
+    let _ = s.req.events.send(Event::Token {
+        id: sampled.token,
+        text: released.text,
+        logprob: s.req.logprobs.then_some(sampled.logprob),
+    });
+    s.req.context.push(sampled.token);
+    if let Some(stop) = released.stop {
+        Some(End::Finished(Finish::Stop, Some(stop)))
+    } else if s.generated >= s.req.max_tokens || s.req.context.len() >= model.context_length() {
+        Some(End::Finished(Finish::Length, None))
+    } else {
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -4,12 +4,13 @@
 //! channel to the engine thread (`engine_loop`), tokens leave through one
 //! unbounded channel per sequence, and a sequence whose receiver is gone
 //! (client cancelled, stream dropped) leaves the batch, and frees its KV
-//! blocks, at the next step.
+//! blocks, at the next step. The thread drives a model through
+//! [`StepModel`]: the GGUF model, or the synthetic engine.
 mod engine_loop;
 pub mod queue;
 
+use crate::engine::model::StepModel;
 use crate::engine::sampling::SamplingParams;
-use crate::engine::LoadedModel;
 pub use queue::Priority;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -121,8 +122,7 @@ pub struct SchedulerConfig {
     pub labels: Vec<(&'static str, String)>,
 }
 
-/// What an engine's handle sends it; every engine (the model's thread, the
-/// synthetic task) consumes the same commands.
+/// What an engine's handle sends its thread.
 pub(crate) enum Command {
     Submit(Box<SequenceRequest>),
     Abort(String),
@@ -159,11 +159,9 @@ impl Drop for EngineThread {
 }
 
 impl EngineHandle {
-    /// Starts the engine thread for `model`.
-    pub fn start(
-        model: Arc<LoadedModel>,
-        cfg: SchedulerConfig,
-    ) -> Result<Self, candle_core::Error> {
+    /// Starts the engine thread for `model`; fails when its KV pool cannot
+    /// be allocated.
+    pub fn start<M: StepModel>(model: M, cfg: SchedulerConfig) -> Result<Self, candle_core::Error> {
         let (mut handle, rx) = Self::channel(cfg.queue_capacity);
         let scheduler = engine_loop::Scheduler::new(model, cfg, handle.stats.clone())?;
         let thread = std::thread::Builder::new()
@@ -177,7 +175,7 @@ impl EngineHandle {
     /// A handle and the command receiver its engine consumes; the engine
     /// keeps `stats.active` current, the handle and the engine share
     /// `stats.queued`.
-    pub(crate) fn channel(queue_capacity: usize) -> (Self, mpsc::UnboundedReceiver<Command>) {
+    fn channel(queue_capacity: usize) -> (Self, mpsc::UnboundedReceiver<Command>) {
         let (tx, rx) = mpsc::unbounded_channel();
         let handle = Self {
             tx,

@@ -1,25 +1,20 @@
-//! The synthetic engine's scheduler: a tokio task that consumes the same
-//! commands as the model's engine thread and paces tokens with timers, so
-//! tests can drive it with `tokio::time::pause`.
-use super::{fnv1a, output_token, token_bytes, CONTEXT_LENGTH};
-use crate::engine::detokenize::TextStream;
-use crate::scheduler::{Command, EngineHandle, EngineStats, Event, Finish, SequenceRequest};
-use std::collections::VecDeque;
-use std::sync::atomic::Ordering;
-use std::sync::Arc;
-use std::time::Duration;
-use tokio::sync::mpsc;
-use tokio::time::Instant;
+//! The synthetic engine's model: a [`StepModel`] whose every step lasts one
+//! tick of `1 / tokens_per_sec` and whose logits are one-hot on the next word
+//! of the synthetic rule. The scheduler's own thread runs it, so queueing,
+//! batching, KV accounting, preemption, sampling and stop strings are the
+//! real ones; only the forward pass is made up.
+use super::{fnv1a, seed_of, word, WORDS};
+use crate::engine::kv::KvPool;
+use crate::engine::model::{BatchSeq, Logits, ModelError, SeqStart, StepModel, StepOutput};
+use crate::scheduler::{EngineHandle, SchedulerConfig};
+use std::time::{Duration, Instant};
 
-/// Rate and capacity of the synthetic engine.
+/// Rate and faults of the synthetic engine (its capacity and queue are the
+/// scheduler's `--max-batch` and `--queue-capacity`).
 #[derive(Clone, Debug)]
 pub struct SyntheticConfig {
     /// Tokens per second of each running sequence.
     pub tokens_per_sec: f64,
-    /// Sequences running at once.
-    pub max_batch: usize,
-    /// Sequences allowed to wait for a slot.
-    pub queue_capacity: usize,
     /// Fault injection: the fraction (0..=1) of new sequences that fail
     /// before their first token.
     pub error_rate: f64,
@@ -28,7 +23,7 @@ pub struct SyntheticConfig {
 }
 
 impl SyntheticConfig {
-    /// Time between two tokens of one sequence.
+    /// Time between two tokens of one sequence: the length of a step.
     pub fn interval(&self) -> Duration {
         Duration::from_secs_f64(1.0 / self.tokens_per_sec)
     }
@@ -36,6 +31,10 @@ impl SyntheticConfig {
 
 /// The message of an injected fault.
 pub const FAULT_MESSAGE: &str = "synthetic fault injected";
+
+/// KV cache bytes a synthetic token is counted at against `--kv-budget-mib`
+/// (nothing is stored): the default 256 MiB holds 262,144 tokens.
+pub const KV_BYTES_PER_TOKEN: usize = 1024;
 
 /// Whether a request fails under fault injection at `rate`: a hash of its id
 /// mapped onto [0, 1), so the choice is the same on every worker and run, and
@@ -46,221 +45,158 @@ pub fn injects_fault(request_id: &str, rate: f64) -> bool {
     point < rate
 }
 
-/// Starts the synthetic engine on the current tokio runtime.
+/// Starts the scheduler's engine thread over the synthetic model; fails
+/// only where the scheduler's own start does.
 ///
-/// Panics if `tokens_per_sec` is not a positive finite number (the worker's
-/// configuration checks it first).
-pub fn start(cfg: SyntheticConfig) -> EngineHandle {
-    assert!(
-        cfg.tokens_per_sec.is_finite() && cfg.tokens_per_sec > 0.0,
-        "tokens_per_sec must be positive"
-    );
-    assert!(
-        (0.0..=1.0).contains(&cfg.error_rate),
-        "error_rate must be in 0..=1"
-    );
-    let (handle, rx) = EngineHandle::channel(cfg.queue_capacity);
-    let engine = Synthetic {
-        interval: cfg.interval(),
-        error_rate: cfg.error_rate,
-        first_token_delay: cfg.first_token_delay,
-        max_batch: cfg.max_batch.max(1),
-        stats: handle.stats().clone(),
-        waiting: VecDeque::new(),
-        active: Vec::new(),
-    };
-    tokio::spawn(engine.run(rx));
-    handle
+/// Panics if `tokens_per_sec` is not a positive finite number or
+/// `error_rate` is outside 0..=1 (the worker's configuration checks both
+/// first).
+pub fn start(
+    cfg: SyntheticConfig,
+    scheduler: SchedulerConfig,
+) -> Result<EngineHandle, candle_core::Error> {
+    EngineHandle::start(SyntheticStepModel::new(cfg), scheduler)
 }
 
-struct Active {
-    req: SequenceRequest,
-    text: TextStream,
-    /// Prompt token ids, which fix the output word cycle.
-    prompt: Vec<u32>,
-    generated: usize,
-    next_at: Instant,
-    first_token: Option<Duration>,
-    /// Fails when its first token is due (fault injection).
-    fault: bool,
-}
-
-struct Synthetic {
+/// The synthetic model as the scheduler drives it.
+pub struct SyntheticStepModel {
     interval: Duration,
     error_rate: f64,
     first_token_delay: Duration,
-    max_batch: usize,
-    stats: Arc<EngineStats>,
-    waiting: VecDeque<SequenceRequest>,
-    active: Vec<Active>,
+    /// The bytes of every word's token.
+    bytes: Vec<Vec<u8>>,
+    /// When the last step ended, to keep the cadence of back-to-back steps.
+    last_tick: Option<Instant>,
 }
 
-impl Synthetic {
-    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Command>) {
-        let mut open = true;
-        loop {
-            if !open && self.active.is_empty() && self.waiting.is_empty() {
-                return;
-            }
-            let next = self.active.iter().map(|a| a.next_at).min();
-            tokio::select! {
-                cmd = rx.recv(), if open => match cmd {
-                    Some(cmd) => self.handle(cmd),
-                    // The handle is gone: finish what runs, then stop.
-                    None => open = false,
-                },
-                _ = tokio::time::sleep_until(next.unwrap_or_else(Instant::now)), if next.is_some() => {
-                    self.emit_due(Instant::now());
-                }
-            }
-            self.drop_cancelled();
-            self.admit();
-            self.stats
-                .active
-                .store(self.active.len() as u32, Ordering::SeqCst);
+/// What the synthetic model keeps for one sequence.
+pub struct SyntheticSeq {
+    /// The prompt's hash, which fixes the output word cycle.
+    seed: usize,
+    prompt_len: usize,
+    /// Completion index of the first token this worker emits (after a
+    /// failover, the tokens before it were emitted elsewhere).
+    first: usize,
+    /// Fails when its first token is due (fault injection).
+    fault: bool,
+    /// When its first token may come: set by the first step that could
+    /// produce it, `first_token_delay` after that step's end.
+    due: Option<Instant>,
+}
+
+impl SyntheticStepModel {
+    /// Panics on a rate or error rate the worker's configuration refuses.
+    pub fn new(cfg: SyntheticConfig) -> Self {
+        assert!(
+            cfg.tokens_per_sec.is_finite() && cfg.tokens_per_sec > 0.0,
+            "tokens_per_sec must be positive"
+        );
+        assert!(
+            (0.0..=1.0).contains(&cfg.error_rate),
+            "error_rate must be in 0..=1"
+        );
+        Self {
+            interval: cfg.interval(),
+            error_rate: cfg.error_rate,
+            first_token_delay: cfg.first_token_delay,
+            bytes: (0..WORDS.len() as u32).map(super::token_bytes).collect(),
+            last_tick: None,
         }
     }
 
-    fn handle(&mut self, cmd: Command) {
-        match cmd {
-            Command::Submit(req) => self.waiting.push_back(*req),
-            Command::Abort(id) => {
-                self.remove_waiting(|r| r.request_id == id);
-                self.active.retain(|a| a.req.request_id != id);
-            }
-        }
+    /// Sleeps until the end of this step and returns it. Back-to-back steps
+    /// end one interval after the previous end, not after now, so a late
+    /// wake-up does not lower the rate; after an idle spell (or falling a
+    /// whole interval behind) the cadence restarts from now.
+    fn tick(&mut self) -> Instant {
+        let now = Instant::now();
+        let base = match self.last_tick {
+            Some(last) if now <= last + self.interval => last,
+            _ => now,
+        };
+        let end = base + self.interval;
+        std::thread::sleep(end.saturating_duration_since(now));
+        self.last_tick = Some(end);
+        end
+    }
+}
+
+impl StepModel for SyntheticStepModel {
+    type SeqState = SyntheticSeq;
+
+    fn context_length(&self) -> usize {
+        super::CONTEXT_LENGTH
     }
 
-    fn drop_cancelled(&mut self) {
-        self.remove_waiting(|r| r.events.is_closed());
-        self.active.retain(|a| !a.req.events.is_closed());
+    fn eos_token_ids(&self) -> &[u32] {
+        // Sequences end on max_tokens, a stop string or the context window.
+        &[]
     }
 
-    fn remove_waiting(&mut self, gone: impl Fn(&SequenceRequest) -> bool) {
-        let before = self.waiting.len();
-        self.waiting.retain(|r| !gone(r));
-        let removed = (before - self.waiting.len()) as u32;
-        self.stats.queued.fetch_sub(removed, Ordering::SeqCst);
+    fn token_bytes(&self, id: u32) -> &[u8] {
+        &self.bytes[id as usize % WORDS.len()]
     }
 
-    fn admit(&mut self) {
-        while self.active.len() < self.max_batch {
-            let Some(req) = self.waiting.pop_front() else {
-                break;
-            };
-            self.stats.queued.fetch_sub(1, Ordering::SeqCst);
-            let emitted_from = req.context.len() - req.already_emitted;
-            let prompt = req.context[..emitted_from].to_vec();
-            // Replay what was delivered before a failover, as the real engine
-            // does, so stop-string prefixes are where the client left them.
-            let mut text = TextStream::new(req.stop.clone());
-            for &t in &req.context[emitted_from..] {
-                text.push(&token_bytes(t));
-            }
-            let _ = req.events.send(Event::Started {
-                queued: req.enqueued.elapsed(),
-            });
+    fn kv_pool(&self, budget_bytes: usize, block_size: usize) -> candle_core::Result<KvPool> {
+        Ok(KvPool::accounting(
+            KV_BYTES_PER_TOKEN,
+            budget_bytes,
+            block_size,
+        ))
+    }
+
+    fn start_seq(&self, seq: SeqStart<'_>) -> SyntheticSeq {
+        SyntheticSeq {
+            seed: seed_of(seq.prompt),
+            prompt_len: seq.prompt.len(),
+            first: seq.emitted.len(),
             // Faults hit new requests only; a continuation after a failover
             // already had its first token.
-            let fault = req.already_emitted == 0
+            fault: seq.emitted.is_empty()
                 && self.error_rate > 0.0
-                && injects_fault(&req.request_id, self.error_rate);
-            self.active.push(Active {
-                generated: req.already_emitted,
-                text,
-                prompt,
-                next_at: Instant::now() + self.first_token_delay + self.interval,
-                first_token: None,
-                fault,
-                req,
-            });
+                && injects_fault(seq.request_id, self.error_rate),
+            due: None,
         }
     }
 
-    /// Emits every token that is due by `now`. Deadlines advance by the
-    /// interval from the previous deadline, not from `now`, so a late wake-up
-    /// does not lower the rate.
-    fn emit_due(&mut self, now: Instant) {
-        let mut i = 0;
-        while i < self.active.len() {
-            let a = &mut self.active[i];
-            let mut ended = None;
-            while a.next_at <= now && ended.is_none() {
-                ended = emit_one(a, &self.stats);
-                a.next_at += self.interval;
-            }
-            match ended {
-                Some(end) => {
-                    let a = self.active.remove(i);
-                    finish(a, end);
+    fn step(
+        &mut self,
+        _pool: &mut KvPool,
+        batch: &mut [BatchSeq<'_, SyntheticSeq>],
+    ) -> Result<StepOutput, ModelError> {
+        let end = self.tick();
+        let vocab = WORDS.len();
+        let mut values = vec![f32::NEG_INFINITY; batch.len() * vocab];
+        let mut failed = Vec::new();
+        for (j, b) in batch.iter_mut().enumerate() {
+            let s = &mut *b.state;
+            // Positions read once this step is done; the row predicts the next.
+            let read = b.step.cache.len() + b.step.tokens.len();
+            if read == s.prompt_len + s.first {
+                let due = *s.due.get_or_insert(end + self.first_token_delay);
+                if end < due {
+                    // Not yet: all but the last token are read, so the step
+                    // comes again and waiting costs the step's budget one
+                    // token.
+                    b.step.cache.advance(b.step.tokens.len() - 1);
+                    continue;
                 }
-                None => i += 1,
+                if s.fault {
+                    tracing::debug!("synthetic fault injected");
+                    failed.push((j, FAULT_MESSAGE.to_string()));
+                    continue;
+                }
+            }
+            b.step.cache.advance(b.step.tokens.len());
+            if let Some(index) = read.checked_sub(s.prompt_len) {
+                values[j * vocab + word(s.seed, index) as usize] = 0.0;
             }
         }
+        Ok(StepOutput {
+            logits: Logits::new(values, vocab),
+            failed,
+        })
     }
-}
-
-/// How a sequence ended: a finish reason with its stop string, an injected
-/// fault, or gone (the client stopped listening).
-enum End {
-    Finished(Finish, Option<String>),
-    Fault,
-    Gone,
-}
-
-fn emit_one(a: &mut Active, stats: &EngineStats) -> Option<End> {
-    if a.fault {
-        return Some(End::Fault);
-    }
-    let id = output_token(&a.prompt, a.generated);
-    if a.first_token.is_none() {
-        a.first_token = Some(a.req.enqueued.elapsed());
-    }
-    a.generated += 1;
-    stats.tokens_generated.fetch_add(1, Ordering::Relaxed);
-    a.req.context.push(id);
-    let released = a.text.push(&token_bytes(id));
-    let sent = a.req.events.send(Event::Token {
-        id,
-        text: released.text,
-        // Synthetic tokens are certain.
-        logprob: a.req.logprobs.then_some(0.0),
-    });
-    if sent.is_err() {
-        return Some(End::Gone);
-    }
-    if let Some(stop) = released.stop {
-        Some(End::Finished(Finish::Stop, Some(stop)))
-    } else if a.generated >= a.req.max_tokens || a.req.context.len() + 1 >= CONTEXT_LENGTH {
-        Some(End::Finished(Finish::Length, None))
-    } else {
-        None
-    }
-}
-
-fn finish(mut a: Active, end: End) {
-    let (reason, stop) = match end {
-        End::Finished(reason, stop) => (reason, stop),
-        End::Fault => {
-            tracing::debug!(request_id = %a.req.request_id, "synthetic fault injected");
-            let _ = a.req.events.send(Event::Failed(FAULT_MESSAGE.into()));
-            return;
-        }
-        End::Gone => return,
-    };
-    let tail = if reason == Finish::Stop {
-        String::new()
-    } else {
-        a.text.finish()
-    };
-    let _ = a.req.events.send(Event::Finished {
-        reason,
-        stop,
-        tail,
-        completion_tokens: a.generated as u32,
-        first_token: a.first_token,
-        total: a.req.enqueued.elapsed(),
-    });
 }
 
 #[cfg(test)]

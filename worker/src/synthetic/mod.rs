@@ -4,8 +4,10 @@
 //! compute (the role of Dynamo's mocker). It is never the default: it runs
 //! only with `--engine synthetic`.
 //!
-//! It serves the same Worker API through the same handle as the real engine;
-//! what differs is documented here:
+//! It is a model ([`SyntheticStepModel`]) behind the real scheduler, so the
+//! queue, priorities, continuous batching, chunked prompts, KV accounting,
+//! preemption, sampling and stop strings are the ones the GGUF model runs
+//! with; what differs is documented here:
 //! - **Tokenization**: the prompt (or the chat messages rendered as
 //!   `role: content` lines) is split on whitespace, one token per word; a
 //!   word's id is a hash of it modulo the vocabulary.
@@ -13,21 +15,32 @@
 //!   (some are non-ASCII, so text deltas exercise real UTF-8).
 //! - **Output**: completion token `i` of a request is word
 //!   `(seed + i) % WORDS.len()`, where `seed` is a hash of the prompt's token
-//!   ids. The same prompt always yields the same text, and a continuation
-//!   after a failover yields exactly what the first worker would have.
-//! - **Timing**: each running sequence gets one token every
-//!   `1 / tokens_per_sec` seconds, the first one interval after it leaves the
-//!   queue (there is no prefill cost). At most `max_batch` sequences run; the
-//!   rest wait in the queue, and a full queue is RESOURCE_EXHAUSTED.
+//!   ids: the model's logits are one-hot on that word, so every sampling
+//!   setting picks it (with log-probability 0). The same prompt always yields
+//!   the same text, and a continuation after a failover (or a recomputation
+//!   after a preemption) yields exactly what the first run would have.
+//! - **Timing**: a step lasts `1 / tokens_per_sec` seconds, so each running
+//!   sequence gets one token every such interval, the first one a step after
+//!   it leaves the queue (a prompt longer than `--max-tokens-per-step` is
+//!   read in several steps, as the scheduler chunks it). At most `max_batch`
+//!   sequences run; the rest wait in the queue, and a full queue is
+//!   RESOURCE_EXHAUSTED.
+//! - **KV cache**: blocks are accounted, not stored, at
+//!   [`KV_BYTES_PER_TOKEN`] per token of `--kv-budget-mib`, so KV use is
+//!   reported and a small budget preempts as the real engine does.
 //! - It never emits an end-of-sequence token: sequences end on `max_tokens`,
 //!   a stop string or the context window.
 //! - **Fault injection** (load tests of canary analysis): a set fraction of
 //!   new requests, chosen by a hash of the request id, fail with INTERNAL
 //!   "synthetic fault injected" when their first token would be due; and a
-//!   set extra delay before every sequence's first token.
+//!   set extra delay before every sequence's first token (rounded up to a
+//!   whole step).
 mod engine;
 
-pub use engine::{injects_fault, start, SyntheticConfig, FAULT_MESSAGE};
+pub use engine::{
+    injects_fault, start, SyntheticConfig, SyntheticSeq, SyntheticStepModel, FAULT_MESSAGE,
+    KV_BYTES_PER_TOKEN,
+};
 
 use crate::errors::WorkerError;
 use crate::request::PromptModel;
@@ -84,8 +97,17 @@ pub fn token_bytes(id: u32) -> Vec<u8> {
 
 /// The id of completion token `index` for a prompt of `prompt` token ids.
 pub fn output_token(prompt: &[u32], index: usize) -> u32 {
+    word(seed_of(prompt), index)
+}
+
+/// Where a prompt's word cycle starts.
+fn seed_of(prompt: &[u32]) -> usize {
     let bytes: Vec<u8> = prompt.iter().flat_map(|t| t.to_le_bytes()).collect();
-    let seed = fnv1a(&bytes) as usize % WORDS.len();
+    fnv1a(&bytes) as usize % WORDS.len()
+}
+
+/// Completion token `index` of the cycle that starts at `seed`.
+fn word(seed: usize, index: usize) -> u32 {
     ((seed + index) % WORDS.len()) as u32
 }
 

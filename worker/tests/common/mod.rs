@@ -5,21 +5,22 @@
 pub use tokenmesh_tests::model_path;
 use tokenmesh_worker::engine::backend::Backend;
 use tokenmesh_worker::engine::chat_template::ChatTurn;
-use tokenmesh_worker::engine::kv_pool::{KvCache, KvPool};
-use tokenmesh_worker::engine::llama::{argmax, SeqStep};
+use tokenmesh_worker::engine::kv::{KvCache, KvPool};
+use tokenmesh_worker::engine::model::SeqStep;
+use tokenmesh_worker::engine::sampling::argmax;
 use tokenmesh_worker::engine::LoadedModel;
 
-/// Runs `feed` through `llama` after what `cache` holds; the logits of its
+/// Runs `feed` through `backend` after what `cache` holds; the logits of its
 /// last token.
 pub fn forward_one(
-    llama: &Backend,
+    backend: &Backend,
     pool: &mut KvPool,
     feed: &[u32],
     cache: &mut KvCache,
 ) -> Vec<f32> {
     let want = cache.len() + feed.len();
     pool.reserve(cache, want).unwrap();
-    llama
+    backend
         .forward(
             pool,
             &mut [SeqStep {
@@ -53,11 +54,11 @@ pub fn france_reply(model: &LoadedModel) -> String {
         .render(&turns, true)
         .unwrap();
     let mut feed = model.tokenizer.encode(&prompt).unwrap();
-    let mut pool = model.llama.kv_pool(64 << 20, 16).unwrap();
+    let mut pool = model.backend.kv_pool(64 << 20, 16).unwrap();
     let mut cache = KvCache::default();
     let mut out = Vec::new();
     for _ in 0..16 {
-        let logits = forward_one(&model.llama, &mut pool, &feed, &mut cache);
+        let logits = forward_one(&model.backend, &mut pool, &feed, &mut cache);
         let t = argmax(&logits);
         if model.tokenizer.eos_token_ids().contains(&t) {
             break;

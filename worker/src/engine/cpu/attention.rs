@@ -53,7 +53,7 @@ pub fn attend(
     let rows_total = seqs.iter().map(|s| s.rows.end).max().unwrap_or(0);
     assert!(out.len() >= rows_total * q_dim, "attention output size");
     let base = Parts(out.as_mut_ptr());
-    let simd = super::matmul::simd_available() && hd % 8 == 0;
+    let simd = pool.kernels().simd() && hd % 8 == 0;
     let task = |t: usize| {
         let (s, h) = (&seqs[t / n_head], t % n_head);
         let kv_off = (h / rep) * hd;
@@ -69,7 +69,7 @@ pub fn attend(
                 };
                 if simd {
                     #[cfg(target_arch = "x86_64")]
-                    // SAFETY: the CPU has the features (simd_available),
+                    // SAFETY: the CPU has the features (`CpuKernels` checked),
                     // hd is a multiple of 8, slots index the layer arrays.
                     unsafe {
                         super::x86::head_attention(
@@ -163,6 +163,7 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 
 #[cfg(test)]
 mod tests {
+    use super::super::kernels::CpuKernels;
     use super::*;
 
     /// Two sequences with scattered slots: each row's output is the
@@ -196,7 +197,7 @@ mod tests {
         ];
         let mut out = vec![0f32; 5 * q_dim];
         attend(
-            &ComputePool::new(2).unwrap(),
+            &ComputePool::new(2, CpuKernels::default()).unwrap(),
             &seqs,
             heads,
             &q,

@@ -1,5 +1,6 @@
 //! Quantized weight matrices and their product with a batch of activation
 //! rows, split over the compute threads by weight rows.
+use super::kernels::CpuKernels;
 use super::quant::{self, BlockQ4_1, BlockQ4_1x8, BlockQ8A, BlockQ8_0, BlockQ8_0x8, QK};
 use super::threads::{ComputePool, Parts};
 use std::ops::Range;
@@ -70,9 +71,10 @@ impl QMatrix {
     }
 
     /// The same matrix with groups of eight rows interleaved for the SIMD
-    /// kernels (the last group padded), where they run; else unchanged.
-    pub fn interleaved(self) -> QMatrix {
-        if !simd_available() {
+    /// kernels (the last group padded), where `kernels` run them; else
+    /// unchanged.
+    pub fn interleaved(self, kernels: CpuKernels) -> QMatrix {
+        if !kernels.simd() {
             return self;
         }
         let kb = self.row_blocks();
@@ -151,11 +153,12 @@ impl QMatrix {
         let chunk = units.div_ceil(threads * 4).max(8 / self.unit());
         let chunks = units.div_ceil(chunk);
         let base = Parts(out[col0..].as_mut_ptr());
+        let kernels = pool.kernels();
         let run = |c: usize| {
             let rows = c * chunk..((c + 1) * chunk).min(units);
             // SAFETY: rows are disjoint between chunks, so are the written
             // elements; the asserts above bound every index.
-            unsafe { self.rows_into(kb, rows, a, n, base.get(), ld) }
+            unsafe { self.rows_into(kernels, rows, a, n, base.get(), ld) }
         };
         pool.run(chunks, &run);
     }
@@ -166,19 +169,23 @@ impl QMatrix {
     /// `out` must be valid for `out[i * ld + r]`, i < n, r in `rows`' rows.
     unsafe fn rows_into(
         &self,
-        kb: usize,
+        kernels: CpuKernels,
         rows: Range<usize>,
         a: &[BlockQ8A],
         n: usize,
         out: *mut f32,
         ld: usize,
     ) {
-        // The interleaved layouts exist only where the SIMD kernels run; the
-        // plain ones take the portable loops below.
+        let kb = self.row_blocks();
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = kernels;
+        // The interleaved layouts are made for the SIMD kernels (which
+        // `kernels` enables only on a CPU that has them); the plain ones, and
+        // any layout with the portable kernels, take the loops below.
         #[cfg(target_arch = "x86_64")]
-        {
+        if kernels.simd() {
             use super::x86;
-            let (vnni, all) = (vnni_available(), self.rows);
+            let (vnni, all) = (kernels.vnni(), self.rows);
             match &self.blocks {
                 Blocks::Q4_1x8(w) if vnni => {
                     return x86::groups_q4_1x8_vnni(w, kb, rows, all, a, n, out, ld);
@@ -219,37 +226,6 @@ impl QMatrix {
     }
 }
 
-/// Whether the SIMD kernels run on this CPU (else the portable loops do).
-/// `TOKENMESH_CPU_SIMD=0` forces the portable loops, to test or compare them.
-pub fn simd_available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        static SIMD: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *SIMD.get_or_init(|| {
-            super::x86::supported()
-                && std::env::var("TOKENMESH_CPU_SIMD").map_or(true, |v| v != "0")
-        })
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
-}
-
-/// Whether the VNNI variants of the interleaved kernels run here (they give
-/// the same integers, so the same results, in fewer instructions).
-/// `TOKENMESH_CPU_VNNI=0` turns them off, to compare.
-pub fn vnni_available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        static VNNI: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *VNNI.get_or_init(|| {
-            super::x86::vnni_supported()
-                && std::env::var("TOKENMESH_CPU_VNNI").map_or(true, |v| v != "0")
-        })
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
-}
-
 /// A projection made of one or more stacked matrices (fused where their
 /// formats allow), writing side by side into one output row.
 pub struct Linear {
@@ -261,7 +237,7 @@ pub struct Linear {
 
 impl Linear {
     /// Fuses `parts` (same columns) into as few matrices as their formats allow.
-    pub fn fused(parts: Vec<QMatrix>) -> Linear {
+    pub fn fused(parts: Vec<QMatrix>, kernels: CpuKernels) -> Linear {
         let rows = parts.iter().map(|p| p.rows).sum();
         let cols = parts.first().map_or(0, |p| p.cols);
         let same_format = parts.windows(2).all(|w| {
@@ -275,7 +251,7 @@ impl Linear {
         } else {
             parts
         };
-        let parts = parts.into_iter().map(QMatrix::interleaved).collect();
+        let parts = parts.into_iter().map(|p| p.interleaved(kernels)).collect();
         Linear { parts, rows, cols }
     }
 
@@ -315,8 +291,9 @@ mod tests {
     }
 
     /// Rows computed in a batch of any size equal the same row computed
-    /// alone, bit for bit, in every layout; the interleaved kernels agree with
-    /// the plain ones and with the portable dot product.
+    /// alone, bit for bit, in every layout and with either kernel choice; the
+    /// interleaved kernels agree with the plain ones and with the portable
+    /// dot product.
     #[test]
     fn batched_rows_equal_single_rows_bit_for_bit() {
         let mut seed = 3;
@@ -330,7 +307,12 @@ mod tests {
             blocks: Blocks::Q8_0(quant::quantize_q8_0(&dense)),
         };
         let kb = cols / QK;
-        let pool = ComputePool::new(2).unwrap();
+        // The SIMD kernels where the CPU has them, and the portable loops
+        // over the same layouts.
+        let pools = [
+            ComputePool::new(2, CpuKernels::default()).unwrap(),
+            ComputePool::new(2, CpuKernels::portable()).unwrap(),
+        ];
         let n = 23; // tiles of 16, groups of 4 and a remainder of 3
         let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut seed)).collect();
         let mut a = vec![BlockQ8A::default(); n * kb];
@@ -343,13 +325,14 @@ mod tests {
                 Blocks::Q8_0(w) => quant::dot_q8_0(&w[r * kb..(r + 1) * kb], ai),
                 _ => unreachable!(),
             };
-            for m in [&plain, &plain.clone().interleaved()] {
+            let interleaved = plain.clone().interleaved(CpuKernels::default());
+            for (pool, m) in pools.iter().flat_map(|p| [(p, &plain), (p, &interleaved)]) {
                 let mut all = vec![0f32; n * rows];
-                m.matmul(&pool, &a, n, &mut all, rows, 0);
+                m.matmul(pool, &a, n, &mut all, rows, 0);
                 for i in 0..n {
                     let ai = &a[i * kb..(i + 1) * kb];
                     let mut one = vec![0f32; rows];
-                    m.matmul(&pool, ai, 1, &mut one, rows, 0);
+                    m.matmul(pool, ai, 1, &mut one, rows, 0);
                     assert_eq!(&all[i * rows..(i + 1) * rows], &one[..], "row {i}");
                     for (r, got) in one.iter().enumerate() {
                         let want = portable(r, ai);

@@ -14,6 +14,7 @@
 //! (`threads`), tuned for a step's many short parallel regions.
 #[allow(unsafe_code)]
 mod attention;
+pub mod kernels;
 #[allow(unsafe_code)]
 pub mod matmul;
 pub mod quant;
@@ -26,11 +27,12 @@ mod threads;
 #[allow(unsafe_code, clippy::needless_range_loop)]
 mod x86;
 
-use super::kv_pool::KvPool;
-use super::llama::{LlamaConfig, ModelError, SeqStep};
+use super::kv::KvPool;
+use super::model::{check_step, LlamaConfig, ModelError, SeqStep};
 use attention::{Heads, SeqRows};
 use candle_core::quantized::{gguf_file, GgmlDType};
 use candle_core::Device;
+pub use kernels::CpuKernels;
 use matmul::{Blocks, Linear, QMatrix};
 use quant::{BlockQ8A, QK};
 use std::io::{Read, Seek, SeekFrom};
@@ -152,23 +154,26 @@ fn vector<R: Read + Seek>(
 }
 
 impl CpuLlama {
-    /// Reads the weights, keeping Q4_1 and Q8_0 blocks as they are, and
-    /// starts `threads` compute threads (the caller's included).
+    /// Reads the weights, keeping Q4_1 and Q8_0 blocks as they are, laid
+    /// out for `kernels`, and starts `threads` compute threads (the caller's
+    /// included).
     pub fn load<R: Read + Seek>(
         content: &gguf_file::Content,
         reader: &mut R,
         threads: usize,
+        kernels: CpuKernels,
     ) -> Result<Self, ModelError> {
         let cfg = LlamaConfig::from_gguf(content)?;
-        let embed = matrix(content, reader, "token_embd.weight")?.interleaved();
+        let embed = matrix(content, reader, "token_embd.weight")?.interleaved(kernels);
         let mut layers = Vec::with_capacity(cfg.n_layer);
         for i in 0..cfg.n_layer {
             let name = |n: &str| format!("blk.{i}.{n}.weight");
             let mut m = |n: &str| matrix(content, reader, &name(n));
-            let wqkv = Linear::fused(vec![m("attn_q")?, m("attn_k")?, m("attn_v")?]);
-            let wo = Linear::fused(vec![m("attn_output")?]);
-            let w_gate_up = Linear::fused(vec![m("ffn_gate")?, m("ffn_up")?]);
-            let w_down = Linear::fused(vec![m("ffn_down")?]);
+            let fused = |parts| Linear::fused(parts, kernels);
+            let wqkv = fused(vec![m("attn_q")?, m("attn_k")?, m("attn_v")?]);
+            let wo = fused(vec![m("attn_output")?]);
+            let w_gate_up = fused(vec![m("ffn_gate")?, m("ffn_up")?]);
+            let w_down = fused(vec![m("ffn_down")?]);
             layers.push(Layer {
                 attn_norm: vector(content, reader, &name("attn_norm"))?,
                 ffn_norm: vector(content, reader, &name("ffn_norm"))?,
@@ -181,7 +186,7 @@ impl CpuLlama {
         let norm = vector(content, reader, "output_norm.weight")?;
         // Tied embeddings (as in SmolLM2) have no separate output matrix.
         let lm_head = match matrix(content, reader, "output.weight") {
-            Ok(m) => Some(m.interleaved()),
+            Ok(m) => Some(m.interleaved(kernels)),
             Err(ModelError::MissingTensor(_)) => None,
             Err(e) => return Err(e),
         };
@@ -196,14 +201,14 @@ impl CpuLlama {
             layers,
             inv_freq,
             scratch: Mutex::default(),
-            threads: ComputePool::new(threads)
+            threads: ComputePool::new(threads, kernels)
                 .map_err(|e| ModelError::Backend(format!("starting compute threads: {e}")))?,
         };
         tracing::info!(
             weights_mib = model.weight_bytes() >> 20,
             threads = model.threads.threads(),
-            simd = matmul::simd_available(),
-            vnni = matmul::vnni_available(),
+            simd = kernels.simd(),
+            vnni = kernels.vnni(),
             "CPU kernels: quantized weights loaded"
         );
         Ok(model)
@@ -212,6 +217,11 @@ impl CpuLlama {
     /// The model's shape.
     pub fn config(&self) -> &LlamaConfig {
         &self.cfg
+    }
+
+    /// The kernels this model runs.
+    pub fn kernels(&self) -> CpuKernels {
+        self.threads.kernels()
     }
 
     /// Bytes the weights take in memory.
@@ -232,16 +242,10 @@ impl CpuLlama {
         pool: &mut KvPool,
         batch: &mut [SeqStep<'_>],
     ) -> Result<Vec<f32>, ModelError> {
-        let cfg = &self.cfg;
-        let (hidden, hd) = (cfg.hidden, cfg.head_dim);
-        let (q_dim, kv_dim) = (cfg.n_head * hd, cfg.n_kv_head * hd);
-        let qkv_ld = q_dim + 2 * kv_dim;
-        let ffn = self.layers.first().map_or(0, |l| l.w_down.cols);
-
         let mut slots: Vec<Vec<usize>> = Vec::with_capacity(batch.len());
         for s in batch.iter() {
             let total = s.cache.len() + s.tokens.len();
-            super::llama::check_step(cfg, pool, s)?;
+            check_step(&self.cfg, pool, s)?;
             slots.push((0..total).map(|p| pool.slot(s.cache, p)).collect());
         }
         let mut seqs = Vec::with_capacity(batch.len());
@@ -255,21 +259,37 @@ impl CpuLlama {
             });
             row += n;
         }
-        let n = row;
 
         let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let sc = &mut *guard;
-        let widest = hidden.max(ffn).max(q_dim);
-        sc.x.resize(n * hidden, 0.0);
+        self.prepare(sc, &seqs, row);
+        self.embed(batch, &mut sc.x)?;
+        for (li, layer) in self.layers.iter().enumerate() {
+            self.layer(li, layer, sc, &seqs, pool)?;
+        }
+        self.head(sc, &seqs);
+        for s in batch.iter_mut() {
+            s.cache.advance(s.tokens.len());
+        }
+        Ok(sc.logits.clone())
+    }
+
+    /// Sizes the step's buffers for `n` rows and computes each row's rotation.
+    fn prepare(&self, sc: &mut Scratch, seqs: &[SeqRows<'_>], n: usize) {
+        let cfg = &self.cfg;
+        let (q_dim, kv_dim) = (cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim);
+        let ffn = self.layers.first().map_or(0, |l| l.w_down.cols);
+        let widest = cfg.hidden.max(ffn).max(q_dim);
+        sc.x.resize(n * cfg.hidden, 0.0);
         sc.qa.resize(n * widest / QK, BlockQ8A::default());
-        sc.qkv.resize(n * qkv_ld, 0.0);
+        sc.qkv.resize(n * (q_dim + 2 * kv_dim), 0.0);
         sc.attn.resize(n * q_dim, 0.0);
-        sc.proj.resize(n * hidden, 0.0);
+        sc.proj.resize(n * cfg.hidden, 0.0);
         sc.gu.resize(n * 2 * ffn, 0.0);
         // Each row's rotation, computed once for all layers (a table over
         // the whole context would grow with it).
         sc.rope.clear();
-        for s in &seqs {
+        for s in seqs {
             for pos in s.pos0..s.pos0 + s.rows.len() {
                 sc.rope.extend(self.inv_freq.iter().map(|f| {
                     let a = pos as f32 * f;
@@ -277,9 +297,13 @@ impl CpuLlama {
                 }));
             }
         }
+    }
 
+    /// The embedding rows of every new token, into `x`.
+    fn embed(&self, batch: &[SeqStep<'_>], x: &mut [f32]) -> Result<(), ModelError> {
+        let hidden = self.cfg.hidden;
         let mut r = 0;
-        for s in batch.iter() {
+        for s in batch {
             for &t in s.tokens {
                 if t as usize >= self.embed.rows {
                     return Err(ModelError::TokenOutOfRange {
@@ -288,81 +312,97 @@ impl CpuLlama {
                     });
                 }
                 self.embed
-                    .row(t as usize, &mut sc.x[r * hidden..(r + 1) * hidden]);
+                    .row(t as usize, &mut x[r * hidden..(r + 1) * hidden]);
                 r += 1;
             }
         }
+        Ok(())
+    }
 
+    /// Layer `li` over every row of the step: attention (writing the new
+    /// keys and values into the pool), then the feed-forward block.
+    fn layer(
+        &self,
+        li: usize,
+        layer: &Layer,
+        sc: &mut Scratch,
+        seqs: &[SeqRows<'_>],
+        pool: &mut KvPool,
+    ) -> Result<(), ModelError> {
+        let cfg = &self.cfg;
+        let hd = cfg.head_dim;
+        let (q_dim, kv_dim) = (cfg.n_head * hd, cfg.n_kv_head * hd);
+        let qkv_ld = q_dim + 2 * kv_dim;
+        let n = sc.x.len() / cfg.hidden;
         let eps = cfg.rms_eps as f32;
+        rows::norm_quantize(&self.threads, &sc.x, &layer.attn_norm, eps, &mut sc.qa);
+        layer.wqkv.forward(&self.threads, &sc.qa, n, &mut sc.qkv);
+
+        let (keys, values) = pool
+            .host_layer_mut(li)
+            .ok_or_else(|| ModelError::Backend("the KV pool is not in host memory".into()))?;
+        let half = hd / 2;
+        for s in seqs {
+            for (i, row) in s.rows.clone().enumerate() {
+                let pos = s.pos0 + i;
+                let line = &mut sc.qkv[row * qkv_ld..(row + 1) * qkv_ld];
+                rope(
+                    &mut line[..q_dim + kv_dim],
+                    hd,
+                    &sc.rope[row * half..(row + 1) * half],
+                );
+                let slot = s.slots[pos];
+                keys[slot * kv_dim..(slot + 1) * kv_dim]
+                    .copy_from_slice(&line[q_dim..q_dim + kv_dim]);
+                values[slot * kv_dim..(slot + 1) * kv_dim].copy_from_slice(&line[q_dim + kv_dim..]);
+            }
+        }
+        let (keys, values) = pool.host_layer(li).expect("host pool");
         let heads = Heads {
             n_head: cfg.n_head,
             n_kv_head: cfg.n_kv_head,
             head_dim: hd,
         };
-        for (li, layer) in self.layers.iter().enumerate() {
-            rows::norm_quantize(&self.threads, &sc.x, &layer.attn_norm, eps, &mut sc.qa);
-            layer.wqkv.forward(&self.threads, &sc.qa, n, &mut sc.qkv);
+        attention::attend(
+            &self.threads,
+            seqs,
+            heads,
+            &sc.qkv,
+            qkv_ld,
+            keys,
+            values,
+            &mut sc.attn,
+        );
+        rows::quantize(&self.threads, &sc.attn, q_dim, &mut sc.qa);
+        layer.wo.forward(&self.threads, &sc.qa, n, &mut sc.proj);
+        add_into(&mut sc.x, &sc.proj);
 
-            let (keys, values) = pool
-                .host_layer_mut(li)
-                .ok_or_else(|| ModelError::Backend("the KV pool is not in host memory".into()))?;
-            let half = hd / 2;
-            for s in &seqs {
-                for (i, row) in s.rows.clone().enumerate() {
-                    let pos = s.pos0 + i;
-                    let line = &mut sc.qkv[row * qkv_ld..(row + 1) * qkv_ld];
-                    rope(
-                        &mut line[..q_dim + kv_dim],
-                        hd,
-                        &sc.rope[row * half..(row + 1) * half],
-                    );
-                    let slot = s.slots[pos];
-                    keys[slot * kv_dim..(slot + 1) * kv_dim]
-                        .copy_from_slice(&line[q_dim..q_dim + kv_dim]);
-                    values[slot * kv_dim..(slot + 1) * kv_dim]
-                        .copy_from_slice(&line[q_dim + kv_dim..]);
-                }
-            }
-            let (keys, values) = pool.host_layer(li).expect("host pool");
-            attention::attend(
-                &self.threads,
-                &seqs,
-                heads,
-                &sc.qkv,
-                qkv_ld,
-                keys,
-                values,
-                &mut sc.attn,
-            );
+        let ffn = layer.w_down.cols;
+        rows::norm_quantize(&self.threads, &sc.x, &layer.ffn_norm, eps, &mut sc.qa);
+        layer
+            .w_gate_up
+            .forward(&self.threads, &sc.qa, n, &mut sc.gu);
+        rows::silu_mul_quantize(&self.threads, &sc.gu, ffn, &mut sc.qa);
+        layer.w_down.forward(&self.threads, &sc.qa, n, &mut sc.proj);
+        add_into(&mut sc.x, &sc.proj);
+        Ok(())
+    }
 
-            rows::quantize(&self.threads, &sc.attn, q_dim, &mut sc.qa);
-            layer.wo.forward(&self.threads, &sc.qa, n, &mut sc.proj);
-            add_into(&mut sc.x, &sc.proj);
-
-            rows::norm_quantize(&self.threads, &sc.x, &layer.ffn_norm, eps, &mut sc.qa);
-            layer
-                .w_gate_up
-                .forward(&self.threads, &sc.qa, n, &mut sc.gu);
-            rows::silu_mul_quantize(&self.threads, &sc.gu, ffn, &mut sc.qa);
-            layer.w_down.forward(&self.threads, &sc.qa, n, &mut sc.proj);
-            add_into(&mut sc.x, &sc.proj);
-        }
-
-        // Only each sequence's last row predicts anything.
-        let m = batch.len();
+    /// The logits of each sequence's last row (only those predict anything),
+    /// into `sc.logits`.
+    fn head(&self, sc: &mut Scratch, seqs: &[SeqRows<'_>]) {
+        let hidden = self.cfg.hidden;
+        let m = seqs.len();
         let mut last = vec![0f32; m * hidden];
         for (s, dst) in seqs.iter().zip(last.chunks_exact_mut(hidden)) {
             let r = s.rows.end - 1;
             dst.copy_from_slice(&sc.x[r * hidden..(r + 1) * hidden]);
         }
+        let eps = self.cfg.rms_eps as f32;
         rows::norm_quantize(&self.threads, &last, &self.norm, eps, &mut sc.qa);
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         sc.logits.resize(m * head.rows, 0.0);
         head.matmul(&self.threads, &sc.qa, m, &mut sc.logits, head.rows, 0);
-        for s in batch.iter_mut() {
-            s.cache.advance(s.tokens.len());
-        }
-        Ok(sc.logits.clone())
     }
 }
 

@@ -8,6 +8,7 @@
 //! and a single stream lost about a third of its step to it. Here a helper
 //! spins for a while after each job, so the next region of the same step
 //! starts at once, and parks only when the engine has been idle that long.
+use super::kernels::CpuKernels;
 use std::cell::UnsafeCell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -52,16 +53,19 @@ unsafe impl Sync for Shared {}
 // SAFETY: as for Sync; nothing in `Shared` is tied to the thread that made it.
 unsafe impl Send for Shared {}
 
-/// A fixed set of compute threads; the calling thread is one of them.
+/// A fixed set of compute threads; the calling thread is one of them. It
+/// also carries which kernels its tasks run, so every kernel entry point
+/// (which takes the pool) reads the one choice made at load.
 pub struct ComputePool {
     shared: Arc<Shared>,
     helpers: Vec<JoinHandle<()>>,
+    kernels: CpuKernels,
 }
 
 impl ComputePool {
     /// A pool of `threads` compute threads in all (the caller and
-    /// `threads - 1` helpers).
-    pub fn new(threads: usize) -> std::io::Result<Self> {
+    /// `threads - 1` helpers) running `kernels`.
+    pub fn new(threads: usize, kernels: CpuKernels) -> std::io::Result<Self> {
         let shared = Arc::new(Shared {
             epoch: AtomicUsize::new(0),
             job: UnsafeCell::new(Job {
@@ -84,7 +88,16 @@ impl ComputePool {
                     .spawn(move || helper(&shared))
             })
             .collect::<std::io::Result<_>>()?;
-        Ok(Self { shared, helpers })
+        Ok(Self {
+            shared,
+            helpers,
+            kernels,
+        })
+    }
+
+    /// The kernels the tasks run.
+    pub fn kernels(&self) -> CpuKernels {
+        self.kernels
     }
 
     /// Compute threads, the caller included.
@@ -259,7 +272,7 @@ mod tests {
 
     #[test]
     fn every_task_runs_once_per_job_across_many_jobs() {
-        let pool = ComputePool::new(3).unwrap();
+        let pool = ComputePool::new(3, CpuKernels::default()).unwrap();
         let counts: Vec<AtomicUsize> = (0..97).map(|_| AtomicUsize::new(0)).collect();
         for _ in 0..500 {
             pool.run(counts.len(), &|i| {
@@ -276,7 +289,7 @@ mod tests {
 
     #[test]
     fn nested_and_concurrent_runs_fall_back_to_their_own_thread() {
-        let pool = ComputePool::new(2).unwrap();
+        let pool = ComputePool::new(2, CpuKernels::default()).unwrap();
         let n = AtomicUsize::new(0);
         std::thread::scope(|scope| {
             for _ in 0..2 {
@@ -296,7 +309,7 @@ mod tests {
 
     #[test]
     fn a_panicking_task_panics_the_caller_after_the_job_ends() {
-        let pool = ComputePool::new(2).unwrap();
+        let pool = ComputePool::new(2, CpuKernels::default()).unwrap();
         let r = catch_unwind(AssertUnwindSafe(|| {
             pool.run(64, &|i| {
                 if i == 40 {

@@ -1,5 +1,6 @@
-//! The llama architecture's shape, and its forward pass on candle tensors
-//! (the CUDA backend; the CPU backend is `engine::cpu`).
+//! The candle backend: the llama forward pass on candle tensors (what
+//! `--device cuda:N` runs; the CPU backend is `engine::cpu`, the shape and
+//! the shared step types are `engine::model`).
 //!
 //! candle's own `quantized_llama` keeps one KV cache and one position for the
 //! whole batch inside the model, which rules out continuous batching. This
@@ -10,110 +11,11 @@
 //!
 //! Weights are dequantized to f32 at load: candle's quantized kernels do not
 //! batch, and on a GPU the dequantized weights cost memory, not speed.
-pub use super::kv_pool::KvCache;
-use super::kv_pool::KvPool;
+use super::kv::{KvCache, KvPool};
+use super::model::{check_step, LlamaConfig, ModelError, SeqStep};
 use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device, Tensor};
 use std::io::{Read, Seek};
-
-/// Errors from loading or running the model.
-#[derive(Debug, thiserror::Error)]
-pub enum ModelError {
-    /// A metadata key the architecture needs is missing or has the wrong type.
-    #[error("model metadata: {0}")]
-    Metadata(String),
-    /// A tensor the architecture needs is missing.
-    #[error("model tensor {0} is missing")]
-    MissingTensor(String),
-    /// The file is not a llama-architecture model.
-    #[error("unsupported architecture {0:?} (tokenmesh runs llama-architecture GGUF models)")]
-    Architecture(String),
-    /// A tensor has a shape the backend cannot run.
-    #[error("model tensor {name}: {why}")]
-    Shape { name: String, why: String },
-    /// A step was given a token id the model has no embedding for.
-    #[error("token id {token} is outside the vocabulary of {vocab}")]
-    TokenOutOfRange { token: u32, vocab: usize },
-    /// The backend could not start (compute threads) or was handed a KV pool
-    /// that is not its own.
-    #[error("model backend: {0}")]
-    Backend(String),
-    /// Tensor arithmetic failed.
-    #[error(transparent)]
-    Candle(#[from] candle_core::Error),
-}
-
-/// Shape of a llama model, read from GGUF metadata.
-#[derive(Clone, Debug, PartialEq)]
-pub struct LlamaConfig {
-    pub n_layer: usize,
-    pub n_head: usize,
-    pub n_kv_head: usize,
-    pub head_dim: usize,
-    pub hidden: usize,
-    pub rms_eps: f64,
-    pub rope_theta: f32,
-    pub context_length: usize,
-    pub vocab_size: usize,
-}
-
-impl LlamaConfig {
-    /// Reads the `{arch}.*` keys of a llama-architecture GGUF file.
-    pub fn from_gguf(content: &gguf_file::Content) -> Result<Self, ModelError> {
-        let md = &content.metadata;
-        let arch = md
-            .get("general.architecture")
-            .and_then(|v| v.to_string().ok())
-            .cloned()
-            .unwrap_or_default();
-        if arch != "llama" {
-            return Err(ModelError::Architecture(arch));
-        }
-        let get = |key: &str| -> Result<&gguf_file::Value, ModelError> {
-            md.get(&format!("llama.{key}"))
-                .ok_or_else(|| ModelError::Metadata(format!("llama.{key} is missing")))
-        };
-        let int = |key: &str| -> Result<usize, ModelError> {
-            let v = get(key)?;
-            v.to_u32()
-                .map(|x| x as usize)
-                .or_else(|_| v.to_u64().map(|x| x as usize))
-                .map_err(|e| ModelError::Metadata(format!("llama.{key}: {e}")))
-        };
-        let hidden = int("embedding_length")?;
-        let n_head = int("attention.head_count")?;
-        let n_kv_head = int("attention.head_count_kv").unwrap_or(n_head);
-        let rms_eps = get("attention.layer_norm_rms_epsilon")?
-            .to_f32()
-            .map_err(|e| ModelError::Metadata(e.to_string()))? as f64;
-        let rope_theta = get("rope.freq_base")
-            .ok()
-            .and_then(|v| v.to_f32().ok())
-            .unwrap_or(10_000.0);
-        let head_dim = int("rope.dimension_count").unwrap_or(hidden / n_head);
-        let embd = content
-            .tensor_infos
-            .get("token_embd.weight")
-            .ok_or_else(|| ModelError::MissingTensor("token_embd.weight".into()))?;
-        let vocab_size = embd.shape.dims()[0];
-        if n_kv_head == 0 || n_head % n_kv_head != 0 || head_dim * n_head != hidden {
-            return Err(ModelError::Metadata(format!(
-                "inconsistent heads: {n_head} heads, {n_kv_head} kv heads, hidden {hidden}"
-            )));
-        }
-        Ok(Self {
-            n_layer: int("block_count")?,
-            n_head,
-            n_kv_head,
-            head_dim,
-            hidden,
-            rms_eps,
-            rope_theta,
-            context_length: int("context_length")?,
-            vocab_size,
-        })
-    }
-}
 
 struct Layer {
     attn_norm: Tensor,
@@ -127,17 +29,8 @@ struct Layer {
     ffn: usize,
 }
 
-/// One sequence's share of a batched forward step.
-pub struct SeqStep<'a> {
-    /// New tokens (a prompt chunk, or one decoded token).
-    pub tokens: &'a [u32],
-    /// The sequence's cache; it must already have room for `tokens`
-    /// (`KvPool::reserve`), and is advanced past them.
-    pub cache: &'a mut KvCache,
-}
-
 /// A llama model ready to run.
-pub struct LlamaModel {
+pub struct CandleLlama {
     cfg: LlamaConfig,
     embed: Tensor,
     layers: Vec<Layer>,
@@ -163,7 +56,7 @@ fn tensor<R: Read + Seek>(
         .to_dtype(DType::F32)?)
 }
 
-impl LlamaModel {
+impl CandleLlama {
     /// Loads and dequantizes every weight of the model.
     pub fn load<R: Read + Seek>(
         content: &gguf_file::Content,
@@ -338,29 +231,6 @@ impl LlamaModel {
     }
 }
 
-/// Checks that a sequence's step fits its context and its reserved blocks.
-pub(crate) fn check_step(
-    cfg: &LlamaConfig,
-    pool: &KvPool,
-    s: &SeqStep<'_>,
-) -> Result<(), ModelError> {
-    let total = s.cache.len() + s.tokens.len();
-    if s.tokens.is_empty() || total > cfg.context_length {
-        return Err(ModelError::Candle(candle_core::Error::Msg(format!(
-            "sequence of {} + {} tokens does not fit the context of {}",
-            s.cache.len(),
-            s.tokens.len(),
-            cfg.context_length
-        ))));
-    }
-    if pool.shortfall(s.cache, total) > 0 {
-        return Err(ModelError::Candle(candle_core::Error::Msg(
-            "KV blocks were not reserved before the step".into(),
-        )));
-    }
-    Ok(())
-}
-
 /// cos/sin tables for interleaved rotary embeddings (GGUF llama weights are
 /// permuted for the interleaved form, which is why `rope_i` is used).
 fn rope_tables(cfg: &LlamaConfig, device: &Device) -> Result<(Tensor, Tensor), ModelError> {
@@ -383,15 +253,4 @@ fn causal_mask(n: usize, pos: usize, device: &Device) -> Result<Tensor, ModelErr
         .flat_map(|i| (0..total).map(move |j| if j > pos + i { f32::NEG_INFINITY } else { 0.0 }))
         .collect();
     Ok(Tensor::from_vec(mask, (n, total), device)?)
-}
-
-/// Index of the largest logit (greedy decoding), ties to the lowest id.
-pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &l) in logits.iter().enumerate() {
-        if l > logits[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
