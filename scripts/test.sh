@@ -53,7 +53,9 @@ else
 fi
 
 step "release build"
-cargo build --release --workspace --locked
+# All targets: the test step then reuses this build instead of compiling the
+# workspace again with the dev-dependencies' features.
+cargo build --release --workspace --all-targets --locked
 
 step "default model"
 TOKENMESH_TEST_MODEL=$(target/release/meshctl fetch-model --python "$TOKENMESH_PYTHON")

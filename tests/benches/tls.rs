@@ -1,4 +1,4 @@
-//! `tls-bench`: what mutual TLS costs. Starts one worker and one router
+//! The mTLS benchmark: what mutual TLS costs. Starts one worker and one router
 //! (real processes, the real model) in plaintext and then in mTLS, and
 //! measures from a client: handshakes per second (new TLS connections, no
 //! request), new connections with one ListModels per second, and time to
@@ -16,7 +16,7 @@ use tokenmesh_tests::*;
 
 /// Measure the cost of mTLS against plaintext on a local router and worker.
 #[derive(Parser, Debug)]
-#[command(name = "tls-bench")]
+#[command(name = "tls")]
 struct Args {
     /// Connections opened per connection-rate measurement.
     #[arg(long, env = "TOKENMESH_BENCH_CONNECTIONS", default_value_t = 300)]
@@ -24,6 +24,9 @@ struct Args {
     /// Generate calls per time-to-first-token measurement.
     #[arg(long, env = "TOKENMESH_BENCH_REQUESTS", default_value_t = 30)]
     requests: usize,
+    /// Passed by `cargo bench` to every benchmark binary; nothing to do.
+    #[arg(long, hide = true)]
+    bench: bool,
 }
 
 struct Mesh {
@@ -181,11 +184,6 @@ async fn measure(mode: &'static str, pki: Option<&Pki>, args: &Args) -> anyhow::
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    if std::env::var_os("TOKENMESH_BIN_DIR").is_none() {
-        // The harness looks for the binaries next to this one.
-        let me = std::env::current_exe()?;
-        std::env::set_var("TOKENMESH_BIN_DIR", me.parent().context("bin dir")?);
-    }
     let pki = Pki::new()?;
     let plain = measure("plaintext", None, &args).await?;
     let mtls = measure("mTLS", Some(&pki), &args).await?;
