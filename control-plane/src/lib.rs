@@ -29,16 +29,12 @@ const SAMPLE_EVERY: Duration = Duration::from_secs(2);
 /// Why the control plane could not start or stopped abnormally.
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
-    #[error(transparent)]
-    Transport(#[from] tokenmesh_certs::tls::TransportError),
     #[error("--etcd URL[,URL...] is required: the control plane keeps all its state in etcd")]
     NoEtcd,
     #[error(transparent)]
     Store(#[from] store::StoreError),
     #[error(transparent)]
-    Serve(#[from] tokenmesh_runtime::ServeError),
-    #[error("listener: {0}")]
-    Listener(std::io::Error),
+    Server(#[from] tokenmesh_runtime::ServeError),
 }
 
 /// Serves `Control` on `listener` and campaigns to lead the rollout
@@ -83,7 +79,7 @@ pub async fn run(
         Duration::from_secs(cfg.status_window_s.max(1)),
     );
     let service = service::ControlService::new(store, history, cfg.rollout_defaults());
-    let bound = listener.local_addr().map_err(RunError::Listener)?;
+    let bound = tokenmesh_runtime::serve::bound(&listener)?;
     let shutdown = async move {
         shutdown.await;
         let _ = stop_tx.send(true);

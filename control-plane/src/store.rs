@@ -40,6 +40,16 @@ pub struct Versioned<T> {
     pub mod_revision: i64,
 }
 
+impl<T> Versioned<T> {
+    /// `value` as stored at `mod_revision`.
+    pub fn at(value: T, mod_revision: i64) -> Self {
+        Self {
+            value,
+            mod_revision,
+        }
+    }
+}
+
 /// A worker registration.
 #[derive(Clone, Debug)]
 pub struct Registered {
@@ -245,53 +255,35 @@ impl Store {
     fn parse_into(&self, snap: &mut Snapshot, key: &str, value: &[u8], rev: i64) {
         let k = &self.keys;
         if let Some((model, version, id)) = k.parse_worker(key) {
-            match serde_json::from_slice::<WorkerRecord>(value) {
-                Ok(record) => snap.workers.push(Registered {
+            if let Some(record) = parsed(key, value, "worker registration") {
+                snap.workers.push(Registered {
                     model: model.into(),
                     version: version.into(),
                     worker_id: id.into(),
                     record,
-                }),
-                Err(e) => tracing::warn!(key, error = %e, "ignoring malformed worker registration"),
+                });
             }
         } else if let Some(model) = k.parse_policy(key) {
-            match serde_json::from_slice::<PolicyRecord>(value) {
-                Ok(value) => {
-                    snap.policies.insert(
-                        model.into(),
-                        Versioned {
-                            value,
-                            mod_revision: rev,
-                        },
-                    );
-                }
-                Err(e) => tracing::warn!(key, error = %e, "ignoring malformed traffic policy"),
+            if let Some(policy) = parsed(key, value, "traffic policy") {
+                snap.policies
+                    .insert(model.into(), Versioned::at(policy, rev));
             }
         } else if let Some(id) = k.parse_drain(key) {
             snap.drains
                 .insert(id.into(), String::from_utf8_lossy(value).into_owned());
         } else if let Some((router, model, version)) = k.parse_stats(key) {
-            match serde_json::from_slice::<StatsRecord>(value) {
-                Ok(record) => snap.stats.push(RouterStats {
+            if let Some(record) = parsed(key, value, "router stats") {
+                snap.stats.push(RouterStats {
                     router_id: router.into(),
                     model: model.into(),
                     version: version.into(),
                     record,
-                }),
-                Err(e) => tracing::warn!(key, error = %e, "ignoring malformed router stats"),
+                });
             }
         } else if let Some(model) = k.parse_rollout(key) {
-            match serde_json::from_slice::<RolloutRecord>(value) {
-                Ok(value) => {
-                    snap.rollouts.insert(
-                        model.into(),
-                        Versioned {
-                            value,
-                            mod_revision: rev,
-                        },
-                    );
-                }
-                Err(e) => tracing::warn!(key, error = %e, "ignoring malformed rollout record"),
+            if let Some(rollout) = parsed(key, value, "rollout record") {
+                snap.rollouts
+                    .insert(model.into(), Versioned::at(rollout, rev));
             }
         }
     }
@@ -359,6 +351,14 @@ impl Store {
         client.delete(key, None).await?;
         Ok(())
     }
+}
+
+/// A stored JSON record, or None (logged) if it is malformed: one bad key
+/// must not hide the rest of the snapshot.
+fn parsed<T: serde::de::DeserializeOwned>(key: &str, value: &[u8], what: &str) -> Option<T> {
+    serde_json::from_slice(value)
+        .map_err(|e| tracing::warn!(key, error = %e, "ignoring malformed {what}"))
+        .ok()
 }
 
 /// An etcd client; `timeout` bounds each request (leave it off for clients

@@ -155,6 +155,21 @@ fn print_json<T: serde::Serialize>(v: &T) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Prints a reply as `--output` asks: `json()` pretty-printed, or `table()`.
+fn print_as<T: serde::Serialize>(
+    output: Output,
+    json: impl FnOnce() -> T,
+    table: impl FnOnce() -> String,
+) -> anyhow::Result<()> {
+    match output {
+        Output::Json => print_json(&json()),
+        Output::Table => {
+            print!("{}", table());
+            Ok(())
+        }
+    }
+}
+
 /// `meshctl status`.
 pub async fn status(args: &ControlArgs, model: Option<String>) -> anyhow::Result<()> {
     let mut c = connect(args).await?;
@@ -164,13 +179,11 @@ pub async fn status(args: &ControlArgs, model: Option<String>) -> anyhow::Result
         })
         .await?
         .into_inner();
-    match args.output {
-        Output::Json => print_json(&render::status_json(&resp)),
-        Output::Table => {
-            print!("{}", render::status_table(&resp));
-            Ok(())
-        }
-    }
+    print_as(
+        args.output,
+        || render::status_json(&resp),
+        || render::status_table(&resp),
+    )
 }
 
 /// `meshctl canary …`. Returns the process exit code.
@@ -271,13 +284,11 @@ pub async fn workers(args: &ControlArgs, cmd: WorkersCmd) -> anyhow::Result<()> 
                 })
                 .await?
                 .into_inner();
-            match args.output {
-                Output::Json => print_json(&render::workers_json(&resp)),
-                Output::Table => {
-                    print!("{}", render::workers_table(&resp));
-                    Ok(())
-                }
-            }
+            print_as(
+                args.output,
+                || render::workers_json(&resp),
+                || render::workers_table(&resp),
+            )
         }
         WorkersCmd::Drain { worker_id, reason } => {
             let resp = c
@@ -354,13 +365,11 @@ pub async fn policy(args: &ControlArgs, cmd: PolicyCmd) -> anyhow::Result<()> {
             .into_inner()
         }
     };
-    match args.output {
-        Output::Json => print_json(&render::policy_json(&resp)),
-        Output::Table => {
-            print!("{}", render::policy_table(&resp));
-            Ok(())
-        }
-    }
+    print_as(
+        args.output,
+        || render::policy_json(&resp),
+        || render::policy_table(&resp),
+    )
 }
 
 /// The exit code for a failed command: scripts can tell a conflict from a

@@ -25,16 +25,12 @@ use tokio::net::TcpListener;
 /// Why the router could not start or stopped abnormally.
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
-    #[error(transparent)]
-    Transport(#[from] tokenmesh_certs::tls::TransportError),
     #[error("choose discovery: --etcd URL[,URL...] or --static FILE")]
     NoDiscovery,
     #[error(transparent)]
     Discovery(#[from] discovery::DiscoveryError),
     #[error(transparent)]
-    Serve(#[from] tokenmesh_runtime::ServeError),
-    #[error("listener: {0}")]
-    Listener(std::io::Error),
+    Server(#[from] tokenmesh_runtime::ServeError),
     #[error("--router-id {0:?}: must be non-empty and contain no '/'")]
     RouterId(String),
 }
@@ -60,7 +56,7 @@ pub async fn run(
         admission::Admission::new(cfg.admission()),
         cfg.routing(),
     );
-    let bound = listener.local_addr().map_err(RunError::Listener)?;
+    let bound = tokenmesh_runtime::serve::bound(&listener)?;
     Server::new(
         "router",
         &[Role::Client, Role::Operator],

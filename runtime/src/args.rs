@@ -1,11 +1,12 @@
 //! The flags every server binary takes (DESIGN.md, "Command-line
 //! conventions"), declared once and flattened into each binary's config;
 //! `PORT` is the binary's own default gRPC port.
+use crate::serve::ServeError;
 use crate::telemetry::TelemetryArgs;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
-use tokenmesh_certs::tls::{MeshTls, Role, TlsPaths, TransportError};
+use tokenmesh_certs::tls::{MeshTls, Role, TlsPaths};
 use tokenmesh_proto::keys::Keys;
 
 /// `--listen`, `--etcd`, `--etcd-prefix`, `--tls-dir`, `--insecure`,
@@ -62,13 +63,13 @@ impl<const PORT: u16> ServerArgs<PORT> {
         &self,
         role: Role,
         insecure_note: &str,
-    ) -> Result<Option<MeshTls>, TransportError> {
-        tokenmesh_certs::tls::server_transport(
+    ) -> Result<Option<MeshTls>, ServeError> {
+        Ok(tokenmesh_certs::tls::server_transport(
             self.tls_dir.as_deref(),
             self.insecure,
             role,
             insecure_note,
-        )
+        )?)
     }
 
     /// The certificate files to present to etcd: this process's own when it

@@ -17,12 +17,19 @@ use tonic_health::ServingStatus;
 /// Why a server could not start or stopped abnormally.
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
+    #[error(transparent)]
+    Transport(#[from] tokenmesh_certs::tls::TransportError),
     #[error("--tls-dir: {0}")]
     Tls(#[from] TlsError),
     #[error("gRPC server: {0}")]
     Serve(#[from] tonic::transport::Error),
     #[error("listener: {0}")]
     Listener(std::io::Error),
+}
+
+/// The address `listener` is bound to, for the ready line and registrations.
+pub fn bound(listener: &TcpListener) -> Result<std::net::SocketAddr, ServeError> {
+    listener.local_addr().map_err(ServeError::Listener)
 }
 
 /// One gRPC server of a tokenmesh process, before it serves.

@@ -36,8 +36,6 @@ use tokio::sync::watch;
 /// Why the worker could not start or stopped abnormally.
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
-    #[error(transparent)]
-    Transport(#[from] tokenmesh_certs::tls::TransportError),
     #[error("--worker-id {flag} differs from the name in the worker certificate ({cert}); routers would refuse this worker")]
     IdMismatch { flag: String, cert: String },
     #[error("--synthetic-tokens-per-sec {0}: must be a positive number")]
@@ -53,9 +51,7 @@ pub enum RunError {
     #[error(transparent)]
     Load(#[from] engine::LoadError),
     #[error(transparent)]
-    Serve(#[from] tokenmesh_runtime::ServeError),
-    #[error("listener: {0}")]
-    Listener(std::io::Error),
+    Server(#[from] tokenmesh_runtime::ServeError),
     #[error("model loading was interrupted: {0}")]
     Join(#[from] tokio::task::JoinError),
 }
@@ -235,7 +231,7 @@ pub async fn run(
         identity.clone(),
         cfg.default_max_tokens,
     );
-    let bound = listener.local_addr().map_err(RunError::Listener)?;
+    let bound = tokenmesh_runtime::serve::bound(&listener)?;
     let etcd_tls = cfg.server.etcd_tls(tls.as_ref());
     let server = Server::new("worker", &[Role::Router], tls, cfg.server.tls_reload());
     let (deregister_tx, deregister_rx) = watch::channel(false);

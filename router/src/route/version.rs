@@ -144,43 +144,15 @@ mod tests {
         assert!((2_700..3_300).contains(&below_30), "{below_30}");
     }
 
-    use crate::config::ChannelSettings;
-    use crate::registry::Registry;
+    use crate::registry::{testing, Registry};
     use rand::SeedableRng;
-    use std::sync::atomic::Ordering;
-    use std::time::Duration;
-    use tokenmesh_proto::records::{CanaryPolicy, WorkerRecord};
+    use tokenmesh_proto::records::CanaryPolicy;
 
     /// A registry with one worker per version; `ready` says which answer.
     fn registry(ready: &[(&str, bool)], policy: Option<PolicyRecord>) -> std::sync::Arc<Registry> {
-        let reg = Registry::new(
-            ChannelSettings {
-                keepalive_interval: Duration::from_secs(30),
-                keepalive_timeout: Duration::from_secs(10),
-                connect_timeout: Duration::from_secs(1),
-                // Long enough that the poller never overrides the flags set here.
-                status_interval: Duration::from_secs(3600),
-            },
-            None,
-        );
-        for (v, _) in ready {
-            let record = WorkerRecord {
-                addr: "http://127.0.0.1:9".into(),
-                model_digest: String::new(),
-                accelerator: "cpu".into(),
-                device: String::new(),
-                capacity: 1,
-                labels: Default::default(),
-                started_at: String::new(),
-            };
-            reg.upsert_worker(&format!("w-{v}"), "m", v, record)
-                .unwrap();
-        }
-        let entry = reg.model("m").unwrap();
+        let reg = testing::registry();
         for (v, r) in ready {
-            for ep in &entry.versions[*v] {
-                ep.healthy.store(*r, Ordering::SeqCst);
-            }
+            testing::add(&reg, &format!("w-{v}"), "m", v, *r);
         }
         reg.set_policy("m", policy);
         reg
