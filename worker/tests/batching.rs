@@ -75,6 +75,26 @@ async fn tokens(mut rx: mpsc::UnboundedReceiver<Event>) -> Vec<u32> {
     panic!("stream ended without Finished")
 }
 
+/// Submits all `jobs` at once to `engine`; each must yield its `expected`
+/// tokens (`how` says what the engine does differently, for the message).
+async fn same_tokens(
+    engine: &EngineHandle,
+    m: &LoadedModel,
+    jobs: &[Job],
+    expected: &[Vec<u32>],
+    how: &str,
+) {
+    let rxs: Vec<_> = jobs.iter().map(|j| submit(engine, m, j)).collect();
+    for (i, rx) in rxs.into_iter().enumerate() {
+        assert_eq!(
+            tokens(rx).await,
+            expected[i],
+            "job {i} ({:?}) changed {how}",
+            jobs[i].prompt
+        );
+    }
+}
+
 fn jobs() -> Vec<Job> {
     let prompts = [
         "1, 2, 3, 4, 5,",
@@ -108,25 +128,10 @@ async fn batching_and_preemption_change_no_token() {
     }
     // Together: 16 sequences share every step.
     let together = EngineHandle::start(m.clone(), config(16, 64)).unwrap();
-    let rxs: Vec<_> = jobs.iter().map(|j| submit(&together, &m, j)).collect();
-    for (i, rx) in rxs.into_iter().enumerate() {
-        assert_eq!(
-            tokens(rx).await,
-            expected[i],
-            "job {i} ({:?}) changed in a batch",
-            jobs[i].prompt
-        );
-    }
+    same_tokens(&together, &m, &jobs, &expected, "in a batch").await;
     // A pool of 4 MiB (about 90 tokens): sequences are preempted and recomputed.
     let tiny = EngineHandle::start(m.clone(), config(16, 4)).unwrap();
-    let rxs: Vec<_> = jobs.iter().map(|j| submit(&tiny, &m, j)).collect();
-    for (i, rx) in rxs.into_iter().enumerate() {
-        assert_eq!(
-            tokens(rx).await,
-            expected[i],
-            "job {i} changed by preemption"
-        );
-    }
+    same_tokens(&tiny, &m, &jobs, &expected, "by preemption").await;
     let preempted = tiny.stats().preemptions.load(Ordering::Relaxed);
     assert!(preempted > 0, "the tiny pool never preempted");
     // The engine publishes its counters after the step that sent the last

@@ -8,7 +8,7 @@
 //! probabilities per step and the command that made it.
 mod common;
 
-use common::{forward_one, france_reply, model_path};
+use common::{forward_one, france_reply, model_path, render_chat};
 use serde_json::Value;
 use std::path::PathBuf;
 use tokenmesh_worker::engine::backend::Backend;
@@ -67,12 +67,7 @@ fn greedy_matches_llama_cpp() {
                         content: m["content"].as_str().unwrap().into(),
                     })
                     .collect();
-                let rendered = model
-                    .template
-                    .as_ref()
-                    .unwrap()
-                    .render(&turns, true)
-                    .unwrap();
+                let rendered = render_chat(&model, &turns);
                 assert_eq!(
                     rendered,
                     case["rendered_prompt"].as_str().unwrap(),
@@ -169,18 +164,13 @@ fn cpu_kernels_agree_with_dense_forward() {
         let content = candle_core::quantized::gguf_file::Content::read(&mut file).unwrap();
         Backend::Candle(CandleLlama::load(&content, &mut file, &candle_core::Device::Cpu).unwrap())
     };
-    let prompt = model
-        .template
-        .as_ref()
-        .unwrap()
-        .render(
-            &[ChatTurn {
-                role: "user".into(),
-                content: "Write one sentence about the sea.".into(),
-            }],
-            true,
-        )
-        .unwrap();
+    let prompt = render_chat(
+        &model,
+        &[ChatTurn {
+            role: "user".into(),
+            content: "Write one sentence about the sea.".into(),
+        }],
+    );
     let ids = model.tokenizer.encode(&prompt).unwrap();
     let (mut pool_q, mut pool_d) = (
         model.backend.kv_pool(16 << 20, 16).unwrap(),

@@ -1,5 +1,5 @@
-//! What the model-backed test binaries share: where the model is, and one
-//! greedy reply through a backend.
+//! What the model-backed test binaries share: where the model is, a chat
+//! rendered with its template, and one greedy reply through a backend.
 #![allow(dead_code)] // each test binary uses its own part
 
 pub use tokenmesh_tests::model_path;
@@ -33,6 +33,17 @@ pub fn forward_one(
         .to_vec()
 }
 
+/// `turns` in the model's chat template, ending where the assistant's reply
+/// starts.
+pub fn render_chat(model: &LoadedModel, turns: &[ChatTurn]) -> String {
+    model
+        .template
+        .as_ref()
+        .unwrap()
+        .render(turns, true)
+        .unwrap()
+}
+
 /// The greedy reply (at most 16 tokens) to "What is the capital of France?"
 /// with the default system prompt; llama.cpp answers "The capital of France
 /// is Paris.".
@@ -47,12 +58,7 @@ pub fn france_reply(model: &LoadedModel) -> String {
             content: "What is the capital of France?".into(),
         },
     ];
-    let prompt = model
-        .template
-        .as_ref()
-        .unwrap()
-        .render(&turns, true)
-        .unwrap();
+    let prompt = render_chat(model, &turns);
     let mut feed = model.tokenizer.encode(&prompt).unwrap();
     let mut pool = model.backend.kv_pool(64 << 20, 16).unwrap();
     let mut cache = KvCache::default();

@@ -22,6 +22,26 @@ pub struct Heads {
     pub head_dim: usize,
 }
 
+/// What one query head attends to: the slots it sees in the layer's
+/// slot-major `keys` and `values` arrays, where its KV head's dims start at
+/// `off` in each slot of `stride` values.
+#[derive(Clone, Copy)]
+pub(super) struct KvHead<'a> {
+    pub keys: &'a [f32],
+    pub values: &'a [f32],
+    pub slots: &'a [usize],
+    pub stride: usize,
+    pub off: usize,
+}
+
+impl KvHead<'_> {
+    /// Where the head's dims start in `slot`.
+    #[inline(always)]
+    pub fn at(&self, slot: usize) -> usize {
+        slot * self.stride + self.off
+    }
+}
+
 thread_local! {
     static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
@@ -60,42 +80,28 @@ pub fn attend(
         SCORES.with(|cell| {
             let mut scores = cell.borrow_mut();
             for (i, row) in s.rows.clone().enumerate() {
-                let visible = &s.slots[..s.pos0 + i + 1];
                 let qh = &q[row * q_ld + h * hd..row * q_ld + (h + 1) * hd];
                 // SAFETY: each (row, head) pair belongs to one task, so this
                 // head_dim-wide slice is written by this task only.
                 let o = unsafe {
                     std::slice::from_raw_parts_mut(base.get().add(row * q_dim + h * hd), hd)
                 };
+                let kv = KvHead {
+                    keys,
+                    values,
+                    slots: &s.slots[..s.pos0 + i + 1],
+                    stride: kv_dim,
+                    off: kv_off,
+                };
                 if simd {
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: the CPU has the features (`CpuKernels` checked),
                     // hd is a multiple of 8, slots index the layer arrays.
                     unsafe {
-                        super::x86::head_attention(
-                            qh,
-                            keys,
-                            values,
-                            visible,
-                            kv_dim,
-                            kv_off,
-                            scale,
-                            &mut scores,
-                            o,
-                        )
+                        super::x86::head_attention(qh, kv, scale, &mut scores, o)
                     };
                 } else {
-                    head_attention(
-                        qh,
-                        keys,
-                        values,
-                        visible,
-                        kv_dim,
-                        kv_off,
-                        scale,
-                        &mut scores,
-                        o,
-                    );
+                    head_attention(qh, kv, scale, &mut scores, o);
                 }
             }
         });
@@ -105,23 +111,12 @@ pub fn attend(
 
 /// One query head's attention over the visible positions (portable code;
 /// `x86::head_attention` is the same with AVX2).
-#[allow(clippy::too_many_arguments)]
-fn head_attention(
-    q: &[f32],
-    keys: &[f32],
-    values: &[f32],
-    slots: &[usize],
-    stride: usize,
-    off: usize,
-    scale: f32,
-    scores: &mut Vec<f32>,
-    out: &mut [f32],
-) {
+fn head_attention(q: &[f32], kv: KvHead<'_>, scale: f32, scores: &mut Vec<f32>, out: &mut [f32]) {
     let hd = q.len();
     scores.clear();
     let mut max = f32::NEG_INFINITY;
-    for &slot in slots {
-        let x = dot(q, &keys[slot * stride + off..slot * stride + off + hd]) * scale;
+    for &slot in kv.slots {
+        let x = dot(q, &kv.keys[kv.at(slot)..kv.at(slot) + hd]) * scale;
         max = max.max(x);
         scores.push(x);
     }
@@ -130,8 +125,8 @@ fn head_attention(
     }
     let total: f32 = scores.iter().sum();
     out.fill(0.0);
-    for (&slot, &p) in slots.iter().zip(scores.iter()) {
-        let v = &values[slot * stride + off..slot * stride + off + hd];
+    for (&slot, &p) in kv.slots.iter().zip(scores.iter()) {
+        let v = &kv.values[kv.at(slot)..kv.at(slot) + hd];
         for (o, &v) in out.iter_mut().zip(v) {
             *o += p * v;
         }
@@ -241,17 +236,15 @@ mod tests {
             for (i, row) in s.rows.clone().enumerate() {
                 for h in 0..4 {
                     let mut o = [0f32; 8];
-                    head_attention(
-                        &q[row * q_dim + h * 8..][..8],
-                        &keys,
-                        &values,
-                        &s.slots[..s.pos0 + i + 1],
-                        kv_dim,
-                        (h / 2) * 8,
-                        1.0 / 8f32.sqrt(),
-                        &mut scores,
-                        &mut o,
-                    );
+                    let kv = KvHead {
+                        keys: &keys,
+                        values: &values,
+                        slots: &s.slots[..s.pos0 + i + 1],
+                        stride: kv_dim,
+                        off: (h / 2) * 8,
+                    };
+                    let qh = &q[row * q_dim + h * 8..][..8];
+                    head_attention(qh, kv, 1.0 / 8f32.sqrt(), &mut scores, &mut o);
                     for (a, b) in o.iter().zip(&out[row * q_dim + h * 8..][..8]) {
                         assert!((a - b).abs() < 1e-5);
                     }

@@ -56,15 +56,13 @@ impl QMatrix {
                 }
             }
             Blocks::Q4_1x8(b) => {
-                let group = &b[r / 8 * kb..(r / 8 + 1) * kb];
-                for (blk, o) in group.iter().zip(out.chunks_exact_mut(QK)) {
-                    quant::dequantize_q4_1(&quant::lane_q4_1(blk, r % 8), o)
+                for (blk, o) in lane_row(b, kb, r, quant::lane_q4_1).zip(out.chunks_exact_mut(QK)) {
+                    quant::dequantize_q4_1(&blk, o)
                 }
             }
             Blocks::Q8_0x8(b) => {
-                let group = &b[r / 8 * kb..(r / 8 + 1) * kb];
-                for (blk, o) in group.iter().zip(out.chunks_exact_mut(QK)) {
-                    quant::dequantize_q8_0(&quant::lane_q8_0(blk, r % 8), o)
+                for (blk, o) in lane_row(b, kb, r, quant::lane_q8_0).zip(out.chunks_exact_mut(QK)) {
+                    quant::dequantize_q8_0(&blk, o)
                 }
             }
         }
@@ -97,35 +95,23 @@ impl QMatrix {
     /// Stacks matrices with the same columns and format into one (fused
     /// projections: one pass over the activations, one parallel region).
     pub fn stack(parts: Vec<QMatrix>) -> Option<QMatrix> {
-        let cols = parts.first()?.cols;
-        if parts.iter().any(|p| p.cols != cols) {
+        let mut parts = parts.into_iter();
+        let mut stacked = parts.next()?;
+        if matches!(stacked.blocks, Blocks::Q4_1x8(_) | Blocks::Q8_0x8(_)) {
             return None;
         }
-        let rows = parts.iter().map(|p| p.rows).sum();
-        let blocks = match parts.first()?.blocks {
-            Blocks::Q4_1(_) => {
-                let mut all = Vec::new();
-                for p in parts {
-                    let Blocks::Q4_1(b) = p.blocks else {
-                        return None;
-                    };
-                    all.extend(b);
-                }
-                Blocks::Q4_1(all)
+        for p in parts {
+            if p.cols != stacked.cols {
+                return None;
             }
-            Blocks::Q8_0(_) => {
-                let mut all = Vec::new();
-                for p in parts {
-                    let Blocks::Q8_0(b) = p.blocks else {
-                        return None;
-                    };
-                    all.extend(b);
-                }
-                Blocks::Q8_0(all)
+            match (&mut stacked.blocks, p.blocks) {
+                (Blocks::Q4_1(all), Blocks::Q4_1(b)) => all.extend(b),
+                (Blocks::Q8_0(all), Blocks::Q8_0(b)) => all.extend(b),
+                _ => return None,
             }
-            Blocks::Q4_1x8(_) | Blocks::Q8_0x8(_) => return None,
-        };
-        Some(QMatrix { rows, cols, blocks })
+            stacked.rows += p.rows;
+        }
+        Some(stacked)
     }
 
     /// `out[i * ld + col0 + r] = a_i · row_r` for the `n` quantized activation
@@ -200,30 +186,36 @@ impl QMatrix {
         }
         let unit = self.unit();
         for r in rows.start * unit..(rows.end * unit).min(self.rows) {
-            let (g, lane) = (r / 8, r % 8);
             for i in 0..n {
                 let ai = &a[i * kb..(i + 1) * kb];
                 *out.add(i * ld + r) = match &self.blocks {
                     Blocks::Q4_1(w) => quant::dot_q4_1(&w[r * kb..(r + 1) * kb], ai),
                     Blocks::Q8_0(w) => quant::dot_q8_0(&w[r * kb..(r + 1) * kb], ai),
                     Blocks::Q4_1x8(w) => {
-                        let row: Vec<BlockQ4_1> = w[g * kb..(g + 1) * kb]
-                            .iter()
-                            .map(|b| quant::lane_q4_1(b, lane))
-                            .collect();
+                        let row: Vec<_> = lane_row(w, kb, r, quant::lane_q4_1).collect();
                         quant::dot_q4_1(&row, ai)
                     }
                     Blocks::Q8_0x8(w) => {
-                        let row: Vec<BlockQ8_0> = w[g * kb..(g + 1) * kb]
-                            .iter()
-                            .map(|b| quant::lane_q8_0(b, lane))
-                            .collect();
+                        let row: Vec<_> = lane_row(w, kb, r, quant::lane_q8_0).collect();
                         quant::dot_q8_0(&row, ai)
                     }
                 };
             }
         }
     }
+}
+
+/// Row `r` of a matrix of interleaved groups of `kb` blocks, as plain blocks
+/// (`lane` takes one row out of an interleaved block).
+fn lane_row<'a, X, B: 'a>(
+    w: &'a [X],
+    kb: usize,
+    r: usize,
+    lane: fn(&X, usize) -> B,
+) -> impl Iterator<Item = B> + 'a {
+    w[r / 8 * kb..(r / 8 + 1) * kb]
+        .iter()
+        .map(move |b| lane(b, r % 8))
 }
 
 /// A projection made of one or more stacked matrices (fused where their
@@ -351,6 +343,31 @@ mod tests {
         }
     }
 
+    /// One of `x86`'s groups kernels.
+    #[cfg(target_arch = "x86_64")]
+    type GroupsKernel<B> =
+        unsafe fn(&[B], usize, Range<usize>, usize, &[BlockQ8A], usize, *mut f32, usize);
+
+    /// The n x rows outputs of `kernel` over every group of `w`.
+    ///
+    /// # Safety
+    /// The CPU has the kernel's features; `w` holds `rows.div_ceil(8)`
+    /// groups of `kb` blocks and `a` holds `n * kb` blocks.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn all_groups<B>(
+        kernel: GroupsKernel<B>,
+        w: &[B],
+        kb: usize,
+        rows: usize,
+        a: &[BlockQ8A],
+        n: usize,
+    ) -> Vec<f32> {
+        let mut out = vec![0f32; n * rows];
+        let groups = 0..rows.div_ceil(8);
+        kernel(w, kb, groups, rows, a, n, out.as_mut_ptr(), rows);
+        out
+    }
+
     /// The VNNI kernels give the plain AVX2 kernels' results bit for bit.
     #[cfg(target_arch = "x86_64")]
     #[test]
@@ -377,54 +394,17 @@ mod tests {
             kb,
         );
         let q8 = quant::interleave_q8_0(&quant::quantize_q8_0(&dense), kb);
-        let (mut p, mut v) = (vec![0f32; n * rows], vec![0f32; n * rows]);
-        // SAFETY: the CPU has the features (checked above); sizes match.
+        // SAFETY: the CPU has the features (checked above); `q4` and `q8`
+        // hold the matrix's groups, `a` its n rows of kb blocks.
         unsafe {
-            x86::groups_q4_1x8(
-                &q4,
-                kb,
-                0..rows.div_ceil(8),
-                rows,
-                &a,
-                n,
-                p.as_mut_ptr(),
-                rows,
+            assert_eq!(
+                all_groups(x86::groups_q4_1x8, &q4, kb, rows, &a, n),
+                all_groups(x86::groups_q4_1x8_vnni, &q4, kb, rows, &a, n)
             );
-            x86::groups_q4_1x8_vnni(
-                &q4,
-                kb,
-                0..rows.div_ceil(8),
-                rows,
-                &a,
-                n,
-                v.as_mut_ptr(),
-                rows,
+            assert_eq!(
+                all_groups(x86::groups_q8_0x8, &q8, kb, rows, &a, n),
+                all_groups(x86::groups_q8_0x8_vnni, &q8, kb, rows, &a, n)
             );
         }
-        assert_eq!(p, v);
-        // SAFETY: as above: VNNI checked, `p` holds rows x n outputs.
-        unsafe {
-            x86::groups_q8_0x8(
-                &q8,
-                kb,
-                0..rows.div_ceil(8),
-                rows,
-                &a,
-                n,
-                p.as_mut_ptr(),
-                rows,
-            );
-            x86::groups_q8_0x8_vnni(
-                &q8,
-                kb,
-                0..rows.div_ceil(8),
-                rows,
-                &a,
-                n,
-                v.as_mut_ptr(),
-                rows,
-            );
-        }
-        assert_eq!(p, v);
     }
 }

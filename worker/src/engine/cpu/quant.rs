@@ -71,69 +71,63 @@ pub struct BlockQ8_0x8 {
     pub qs: [i8; 256],
 }
 
-/// Interleaves a Q4_1 matrix of rows of `kb` blocks; a last group of fewer
-/// than eight rows is padded with zero blocks (their outputs are never stored).
-pub fn interleave_q4_1(w: &[BlockQ4_1], kb: usize) -> Vec<BlockQ4_1x8> {
+/// Groups a matrix of rows of `kb` blocks by eight rows and makes each
+/// group's block `b` from the eight rows' blocks `b` (group-major); a last
+/// group of fewer than eight rows is padded with zero blocks (their outputs
+/// are never stored).
+fn interleave<B: Default, X>(w: &[B], kb: usize, make: impl Fn([&B; 8]) -> X) -> Vec<X> {
     let rows = w.len() / kb;
     let groups = rows.div_ceil(8);
-    let zero = BlockQ4_1::default();
+    let zero = B::default();
     let mut out = Vec::with_capacity(groups * kb);
     for g in 0..groups {
         for b in 0..kb {
-            let row = |r: usize| {
+            out.push(make(std::array::from_fn(|r| {
                 if g * 8 + r < rows {
                     &w[(g * 8 + r) * kb + b]
                 } else {
                     &zero
                 }
-            };
-            let mut qs = [0u8; 128];
-            for c in 0..4 {
-                for r in 0..8 {
-                    qs[32 * c + 4 * r..32 * c + 4 * r + 4]
-                        .copy_from_slice(&row(r).qs[4 * c..4 * c + 4]);
-                }
-            }
-            out.push(BlockQ4_1x8 {
-                d: std::array::from_fn(|r| row(r).d),
-                m: std::array::from_fn(|r| row(r).m),
-                qs,
-            });
+            })));
         }
     }
     out
 }
 
+/// The quants of eight rows' blocks, four bytes of each row in turn: byte
+/// `32 c + 4 r + e` is row `r`'s `qs[4 c + e]`, c in 0..N / 32.
+fn interleave_qs<T: Copy + Default, const N: usize>(rows: [&[T]; 8]) -> [T; N] {
+    let mut qs = [T::default(); N];
+    for c in 0..N / 32 {
+        for (r, row) in rows.iter().enumerate() {
+            qs[32 * c + 4 * r..32 * c + 4 * r + 4].copy_from_slice(&row[4 * c..4 * c + 4]);
+        }
+    }
+    qs
+}
+
+/// Row `r`'s quants out of interleaved ones (`interleave_qs` undone).
+fn lane_qs<T: Copy, const N: usize>(qs: &[T], r: usize) -> [T; N] {
+    std::array::from_fn(|j| qs[32 * (j / 4) + 4 * r + j % 4])
+}
+
+/// Interleaves a Q4_1 matrix of rows of `kb` blocks; a last group of fewer
+/// than eight rows is padded with zero blocks (their outputs are never stored).
+pub fn interleave_q4_1(w: &[BlockQ4_1], kb: usize) -> Vec<BlockQ4_1x8> {
+    interleave(w, kb, |rows| BlockQ4_1x8 {
+        d: rows.map(|b| b.d),
+        m: rows.map(|b| b.m),
+        qs: interleave_qs(rows.map(|b| &b.qs[..])),
+    })
+}
+
 /// Interleaves a Q8_0 matrix of rows of `kb` blocks, padded like
 /// `interleave_q4_1`.
 pub fn interleave_q8_0(w: &[BlockQ8_0], kb: usize) -> Vec<BlockQ8_0x8> {
-    let rows = w.len() / kb;
-    let groups = rows.div_ceil(8);
-    let zero = BlockQ8_0::default();
-    let mut out = Vec::with_capacity(groups * kb);
-    for g in 0..groups {
-        for b in 0..kb {
-            let row = |r: usize| {
-                if g * 8 + r < rows {
-                    &w[(g * 8 + r) * kb + b]
-                } else {
-                    &zero
-                }
-            };
-            let mut qs = [0i8; 256];
-            for c in 0..8 {
-                for r in 0..8 {
-                    qs[32 * c + 4 * r..32 * c + 4 * r + 4]
-                        .copy_from_slice(&row(r).qs[4 * c..4 * c + 4]);
-                }
-            }
-            out.push(BlockQ8_0x8 {
-                d: std::array::from_fn(|r| row(r).d),
-                qs,
-            });
-        }
-    }
-    out
+    interleave(w, kb, |rows| BlockQ8_0x8 {
+        d: rows.map(|b| b.d),
+        qs: interleave_qs(rows.map(|b| &b.qs[..])),
+    })
 }
 
 /// Row `r` (0..8) of an interleaved Q4_1 block, as a plain block.
@@ -141,7 +135,7 @@ pub fn lane_q4_1(b: &BlockQ4_1x8, r: usize) -> BlockQ4_1 {
     BlockQ4_1 {
         d: b.d[r],
         m: b.m[r],
-        qs: std::array::from_fn(|j| b.qs[32 * (j / 4) + 4 * r + j % 4]),
+        qs: lane_qs(&b.qs, r),
     }
 }
 
@@ -149,7 +143,7 @@ pub fn lane_q4_1(b: &BlockQ4_1x8, r: usize) -> BlockQ4_1 {
 pub fn lane_q8_0(b: &BlockQ8_0x8, r: usize) -> BlockQ8_0 {
     BlockQ8_0 {
         d: b.d[r],
-        qs: std::array::from_fn(|j| b.qs[32 * (j / 4) + 4 * r + j % 4]),
+        qs: lane_qs(&b.qs, r),
     }
 }
 

@@ -8,6 +8,7 @@
 //! each weight once however many sequences it carries. Each output element is
 //! computed by the same instruction sequence whatever the tile size, so a
 //! sequence's numbers do not depend on what else shares its batch.
+use super::attention::KvHead;
 use super::quant::{BlockQ4_1x8, BlockQ8A, BlockQ8_0x8};
 use std::arch::x86_64::*;
 use std::ops::Range;
@@ -327,33 +328,26 @@ pub unsafe fn silu_mul_block(g: &[f32], u: &[f32], out: &mut [f32; 32]) {
     }
 }
 
-/// One query head's attention over the visible positions: `keys` and
-/// `values` are the layer's slot-major arrays, the head's dims start at
-/// `off` in each slot of `stride` values; `scores` is scratch.
+/// One query head's attention over the slots of `kv`; `scores` is scratch.
 ///
 /// # Safety
 /// The CPU must have AVX2 and FMA; `q.len()` (the head size) is a multiple
-/// of 8, every slot's range is inside `keys` and `values`, and `out` holds
-/// `q.len()` values.
-#[allow(clippy::too_many_arguments)]
+/// of 8, every slot's range is inside `kv.keys` and `kv.values`, and `out`
+/// holds `q.len()` values.
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn head_attention(
     q: &[f32],
-    keys: &[f32],
-    values: &[f32],
-    slots: &[usize],
-    stride: usize,
-    off: usize,
+    kv: KvHead<'_>,
     scale: f32,
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
     let hd = q.len();
     scores.clear();
-    scores.reserve(slots.len() + 8);
+    scores.reserve(kv.slots.len() + 8);
     let mut max = f32::NEG_INFINITY;
-    for &slot in slots {
-        let k = keys.as_ptr().add(slot * stride + off);
+    for &slot in kv.slots {
+        let k = kv.keys.as_ptr().add(kv.at(slot));
         let mut acc = _mm256_setzero_ps();
         for j in (0..hd).step_by(8) {
             acc = _mm256_fmadd_ps(
@@ -377,8 +371,8 @@ pub unsafe fn head_attention(
     let total: f32 = scores[..n].iter().sum();
     out.fill(0.0);
     let o = out.as_mut_ptr();
-    for (&slot, &p) in slots.iter().zip(&scores[..n]) {
-        let v = values.as_ptr().add(slot * stride + off);
+    for (&slot, &p) in kv.slots.iter().zip(&scores[..n]) {
+        let v = kv.values.as_ptr().add(kv.at(slot));
         let pv = _mm256_set1_ps(p);
         for j in (0..hd).step_by(8) {
             let acc = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v.add(j)), _mm256_loadu_ps(o.add(j)));

@@ -24,6 +24,16 @@ fn config(tokens_per_sec: f64) -> SyntheticConfig {
     }
 }
 
+/// 50 tokens a second after a first-token delay of 300 ms, failing
+/// `error_rate` of the requests.
+fn slow_start(error_rate: f64) -> SyntheticConfig {
+    SyntheticConfig {
+        error_rate,
+        first_token_delay: Duration::from_millis(300),
+        ..config(50.0)
+    }
+}
+
 fn scheduler(max_batch: usize, queue_capacity: usize) -> SchedulerConfig {
     SchedulerConfig {
         max_batch,
@@ -76,6 +86,21 @@ async fn drain(rx: &mut mpsc::UnboundedReceiver<Event>) -> (Vec<(u32, String, In
     }
 }
 
+/// Submits one request without stop strings: when it was submitted, its
+/// tokens (as `drain` gives them) and its final event.
+async fn run_one(
+    engine: &EngineHandle,
+    id: &str,
+    prompt: &str,
+    max_tokens: usize,
+) -> (Instant, Vec<(u32, String, Instant)>, Event) {
+    let (req, mut rx) = request(id, prompt, max_tokens, &[]);
+    let submitted = Instant::now();
+    engine.submit(req).unwrap();
+    let (tokens, end) = drain(&mut rx).await;
+    (submitted, tokens, end)
+}
+
 /// Waits (up to a second) until `check` holds.
 async fn until(what: &str, check: impl Fn() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(1);
@@ -95,10 +120,7 @@ fn within(got: Duration, at_least: Duration) {
 #[tokio::test]
 async fn tokens_come_at_the_configured_rate() {
     let engine = engine(config(50.0), 4, 8);
-    let (req, mut rx) = request("a", "hello world", 10, &[]);
-    let submitted = Instant::now();
-    engine.submit(req).unwrap();
-    let (tokens, end) = drain(&mut rx).await;
+    let (submitted, tokens, end) = run_one(&engine, "a", "hello world", 10).await;
     assert_eq!(tokens.len(), 10);
     // One 20 ms step per token, the first a step after admission.
     within(tokens[0].2 - submitted, Duration::from_millis(20));
@@ -248,19 +270,8 @@ async fn a_continuation_yields_what_the_first_worker_would_have() {
 
 #[tokio::test]
 async fn injected_faults_fail_before_the_first_token_after_the_delay() {
-    let engine = engine(
-        SyntheticConfig {
-            error_rate: 1.0,
-            first_token_delay: Duration::from_millis(300),
-            ..config(50.0)
-        },
-        4,
-        8,
-    );
-    let (req, mut rx) = request("doomed", "hello world", 10, &[]);
-    let submitted = Instant::now();
-    engine.submit(req).unwrap();
-    let (tokens, end) = drain(&mut rx).await;
+    let engine = engine(slow_start(1.0), 4, 8);
+    let (submitted, tokens, end) = run_one(&engine, "doomed", "hello world", 10).await;
     assert!(tokens.is_empty());
     assert!(
         matches!(end, Event::Failed(ref m) if m == FAULT_MESSAGE),
@@ -276,18 +287,8 @@ async fn injected_faults_fail_before_the_first_token_after_the_delay() {
 
 #[tokio::test]
 async fn the_first_token_delay_adds_to_the_first_interval_only() {
-    let engine = engine(
-        SyntheticConfig {
-            first_token_delay: Duration::from_millis(300),
-            ..config(50.0)
-        },
-        4,
-        8,
-    );
-    let (req, mut rx) = request("slow", "hello world", 3, &[]);
-    let submitted = Instant::now();
-    engine.submit(req).unwrap();
-    let (tokens, end) = drain(&mut rx).await;
+    let engine = engine(slow_start(0.0), 4, 8);
+    let (submitted, tokens, end) = run_one(&engine, "slow", "hello world", 3).await;
     assert!(matches!(end, Event::Finished { .. }));
     within(tokens[0].2 - submitted, Duration::from_millis(320));
     // The delay is not paid again (SLACK is shorter than it).
