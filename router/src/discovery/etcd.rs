@@ -3,7 +3,7 @@
 //! missed. If etcd goes away the registry keeps the last known state; on
 //! reconnection everything is read again and stale entries are dropped.
 use crate::registry::Registry;
-use etcd_client::{EventType, GetOptions, WatchOptions};
+use etcd_client::{Client, EventType, GetOptions, WatchOptions};
 use std::collections::HashSet;
 use std::sync::Arc;
 use tokenmesh_certs::tls::TlsPaths;
@@ -31,6 +31,7 @@ pub async fn run(
     }
 }
 
+/// Reads the snapshot, then follows the watches until one fails.
 async fn sync_and_watch(
     endpoints: &[String],
     keys: &Keys,
@@ -38,7 +39,51 @@ async fn sync_and_watch(
     tls: Option<&TlsPaths>,
 ) -> Result<(), etcd_client::Error> {
     let mut client = etcd::connect(endpoints, tls, etcd::Use::Streams).await?;
+    let revision = load_snapshot(&mut client, keys, registry).await?;
+    let watch_from = || {
+        WatchOptions::new()
+            .with_prefix()
+            .with_start_revision(revision + 1)
+    };
+    let mut worker_watch = client
+        .watch(keys.workers_prefix(), Some(watch_from()))
+        .await?;
+    let mut model_watch = client
+        .watch(keys.models_prefix(), Some(watch_from()))
+        .await?;
+    let mut drain_watch = client
+        .watch(keys.drain_prefix(), Some(watch_from()))
+        .await?;
+    loop {
+        let resp = tokio::select! {
+            r = worker_watch.message() => r?,
+            r = model_watch.message() => r?,
+            r = drain_watch.message() => r?,
+        };
+        let Some(resp) = resp else {
+            return Err(etcd_client::Error::WatchError("watch stream ended".into()));
+        };
+        if resp.canceled() {
+            return Err(etcd_client::Error::WatchError(format!(
+                "watch cancelled: {}",
+                resp.cancel_reason()
+            )));
+        }
+        for ev in resp.events() {
+            if let Some(kv) = ev.kv() {
+                apply_event(keys, registry, ev.event_type(), kv.key_str()?, kv.value());
+            }
+        }
+    }
+}
 
+/// Reads workers, policies and drain requests at one revision into the
+/// registry, dropping what is gone; the revision, to watch from.
+async fn load_snapshot(
+    client: &mut Client,
+    keys: &Keys,
+    registry: &Registry,
+) -> Result<i64, etcd_client::Error> {
     let workers = client
         .get(keys.workers_prefix(), Some(GetOptions::new().with_prefix()))
         .await?;
@@ -78,56 +123,26 @@ async fn sync_and_watch(
         drained = drained.len(),
         "etcd snapshot"
     );
+    Ok(revision)
+}
 
-    let watch_from = |prefix: String| {
-        (
-            prefix,
-            WatchOptions::new()
-                .with_prefix()
-                .with_start_revision(revision + 1),
-        )
-    };
-    let (wp, wo) = watch_from(keys.workers_prefix());
-    let mut worker_watch = client.watch(wp, Some(wo)).await?;
-    let (mp, mo) = watch_from(keys.models_prefix());
-    let mut model_watch = client.watch(mp, Some(mo)).await?;
-    let (dp, d_o) = watch_from(keys.drain_prefix());
-    let mut drain_watch = client.watch(dp, Some(d_o)).await?;
-    loop {
-        let resp = tokio::select! {
-            r = worker_watch.message() => r?,
-            r = model_watch.message() => r?,
-            r = drain_watch.message() => r?,
-        };
-        let Some(resp) = resp else {
-            return Err(etcd_client::Error::WatchError("watch stream ended".into()));
-        };
-        if resp.canceled() {
-            return Err(etcd_client::Error::WatchError(format!(
-                "watch cancelled: {}",
-                resp.cancel_reason()
-            )));
+/// One watched change to a worker, policy or drain key.
+fn apply_event(keys: &Keys, registry: &Registry, kind: EventType, key: &str, value: &[u8]) {
+    match kind {
+        EventType::Put => {
+            apply_worker_put(keys, registry, key, value);
+            apply_policy_put(keys, registry, key, value);
+            if let Some(id) = keys.parse_drain(key) {
+                registry.set_drain(id, true);
+            }
         }
-        for ev in resp.events() {
-            let Some(kv) = ev.kv() else { continue };
-            let key = kv.key_str()?;
-            match ev.event_type() {
-                EventType::Put => {
-                    apply_worker_put(keys, registry, key, kv.value());
-                    apply_policy_put(keys, registry, key, kv.value());
-                    if let Some(id) = keys.parse_drain(key) {
-                        registry.set_drain(id, true);
-                    }
-                }
-                EventType::Delete => {
-                    if let Some((_, _, id)) = keys.parse_worker(key) {
-                        registry.remove_worker(id);
-                    } else if let Some(model) = keys.parse_policy(key) {
-                        registry.set_policy(model, None);
-                    } else if let Some(id) = keys.parse_drain(key) {
-                        registry.set_drain(id, false);
-                    }
-                }
+        EventType::Delete => {
+            if let Some((_, _, id)) = keys.parse_worker(key) {
+                registry.remove_worker(id);
+            } else if let Some(model) = keys.parse_policy(key) {
+                registry.set_policy(model, None);
+            } else if let Some(id) = keys.parse_drain(key) {
+                registry.set_drain(id, false);
             }
         }
     }
