@@ -38,37 +38,13 @@ struct Mesh {
 async fn mesh(pki: Option<&Pki>) -> anyhow::Result<Mesh> {
     let dir = tempfile::tempdir()?;
     let opts = WorkerOpts {
-        tls: match pki {
-            Some(p) => Some((
-                p.issue(Role::Worker, "w-bench")?,
-                p.creds(Role::Router, "probe")?,
-            )),
-            None => None,
-        },
+        tls: pki.map(|p| p.worker_tls("w-bench")).transpose()?,
         ..WorkerOpts::new("w-bench")
     };
     let worker = WorkerProc::start(opts, dir.path()).await?;
-    let file = dir.path().join("static.toml");
-    std::fs::write(
-        &file,
-        format!(
-            "[[workers]]\nid = \"w-bench\"\nmodel = \"{MODEL}\"\nversion = \"v1\"\naddr = \"{}\"\n",
-            worker.addr
-        ),
-    )?;
-    let tls = match pki {
-        Some(p) => Some((
-            p.issue(Role::Router, "router")?,
-            p.creds(Role::Client, "bench")?,
-        )),
-        None => None,
-    };
-    let router = RouterProc::start_tls(
-        &["--static".into(), file.display().to_string()],
-        tls,
-        dir.path(),
-    )
-    .await?;
+    let file = static_file(dir.path(), &[&worker]);
+    let tls = pki.map(|p| p.router_tls("bench")).transpose()?;
+    let router = RouterProc::start_tls(&["--static".into(), file], tls, dir.path()).await?;
     router
         .wait_ready_workers(MODEL, 1, Duration::from_secs(30))
         .await?;

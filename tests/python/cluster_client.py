@@ -159,26 +159,39 @@ def ready_counts(stub, pb):
     return counts, weights, stable
 
 
+def poll(timeout, interval, attempt, failure):
+    """Calls attempt() every interval s until it returns (True, value), for up
+    to timeout s; an RPC error counts as a failed attempt. Returns the seconds
+    waited and the value; fails with `failure` and the last value or error if
+    timeout s pass first."""
+    start = time.monotonic()
+    last = None
+    while time.monotonic() - start < timeout:
+        try:
+            done, last = attempt()
+            if done:
+                return round(time.monotonic() - start, 2), last
+        except grpc.RpcError as e:
+            last = f"{e.code().name}: {e.details()}"
+        time.sleep(interval)
+    fail(failure, last=last)
+
+
 def cmd_wait_ready(args, m):
     """Polls ListModels until each version has the wanted number of ready
     workers (exactly, with --exact; at least, otherwise)."""
     want = dict((kv.split("=")[0], int(kv.split("=")[1])) for kv in args.want.split(","))
     stub = m["tokenmesh_pb2_grpc"].InferenceStub(channel(args, "client"))
-    start = time.monotonic()
-    last = None
-    while time.monotonic() - start < args.timeout:
-        try:
-            counts, _, _ = ready_counts(stub, m["tokenmesh_pb2"])
-            last = counts
-            if all((counts.get(v, 0) == n) if args.exact else (counts.get(v, 0) >= n)
-                   for v, n in want.items()):
-                print(json.dumps({"ok": True, "ready": counts,
-                                  "waited_s": round(time.monotonic() - start, 2)}))
-                return
-        except grpc.RpcError as e:
-            last = f"{e.code().name}: {e.details()}"
-        time.sleep(0.25)
-    fail(f"ready workers never became {want} within {args.timeout} s", last=last)
+
+    def ready():
+        counts, _, _ = ready_counts(stub, m["tokenmesh_pb2"])
+        done = all((counts.get(v, 0) == n) if args.exact else (counts.get(v, 0) >= n)
+                   for v, n in want.items())
+        return done, counts
+
+    waited, counts = poll(args.timeout, 0.25, ready,
+                          f"ready workers never became {want} within {args.timeout} s")
+    print(json.dumps({"ok": True, "ready": counts, "waited_s": waited}))
 
 
 def cmd_reconnect(args, m):
@@ -189,21 +202,18 @@ def cmd_reconnect(args, m):
     for _ in Stream(pb, stub, args.timeout, max_tokens=4):
         pass
     subprocess.run(args.restart_cmd, shell=True, check=True, stdout=subprocess.DEVNULL)
-    start = time.monotonic()
-    attempts, last = 0, None
-    while time.monotonic() - start < args.timeout:
+    attempts = 0
+
+    def generate():
+        nonlocal attempts
         attempts += 1
-        try:
-            s = Stream(pb, stub, 10, max_tokens=4)
-            for _ in s:
-                pass
-            print(json.dumps({"ok": True, "attempts": attempts,
-                              "reconnected_after_s": round(time.monotonic() - start, 2)}))
-            return
-        except grpc.RpcError as e:
-            last = f"{e.code().name}: {e.details()}"
-            time.sleep(0.2)
-    fail(f"no successful generate within {args.timeout} s of the restart", last=last)
+        for _ in Stream(pb, stub, 10, max_tokens=4):
+            pass
+        return True, None
+
+    waited, _ = poll(args.timeout, 0.2, generate,
+                     f"no successful generate within {args.timeout} s of the restart")
+    print(json.dumps({"ok": True, "attempts": attempts, "reconnected_after_s": waited}))
 
 
 def router_stubs(args, m):

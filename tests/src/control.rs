@@ -1,9 +1,9 @@
 //! Control-plane processes for the end-to-end suites.
 use crate::pki::{channel, Creds};
-use crate::process::{bin, free_port, Proc};
-use anyhow::{bail, Result};
+use crate::process::{bin, free_port, transport_args, wait_serving, Proc};
+use anyhow::Result;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tokenmesh_proto::v1::control_client::ControlClient;
 use tokenmesh_proto::v1::ListWorkersRequest;
 use tonic::transport::Channel;
@@ -54,10 +54,7 @@ impl ControlProc {
     /// Starts a replica and waits until it answers.
     pub async fn start(opts: ControlOpts, dir: &Path) -> Result<Self> {
         let port = free_port();
-        let mut args: Vec<String> = match &opts.tls {
-            Some((d, _)) => vec!["--tls-dir".into(), d.display().to_string()],
-            None => vec!["--insecure".into()],
-        };
+        let mut args = transport_args(opts.tls.as_ref().map(|t| t.0.as_path()));
         args.extend([
             "--listen".into(),
             format!("127.0.0.1:{port}"),
@@ -74,26 +71,19 @@ impl ControlProc {
         let mut proc = Proc::spawn(&opts.id, &bin("tokenmesh-control"), &args, dir)?;
         let addr = format!("http://127.0.0.1:{port}");
         let creds = opts.tls.as_ref().map(|t| t.1.clone());
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if let Ok(ch) = channel(&addr, creds.as_ref()).await {
-                if ControlClient::new(ch)
-                    .list_workers(ListWorkersRequest::default())
-                    .await
-                    .is_ok()
-                {
-                    break;
-                }
-            }
-            if !proc.running() || Instant::now() > deadline {
-                bail!(
-                    "control plane {} did not start:\n{}",
-                    opts.id,
-                    proc.log_text()
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let what = format!("control plane {}", opts.id);
+        let serving = (addr.as_str(), creds.as_ref());
+        wait_serving(
+            &mut proc,
+            &what,
+            Duration::from_secs(30),
+            serving,
+            |ch| async move {
+                let probe = ListWorkersRequest::default();
+                ControlClient::new(ch).list_workers(probe).await.is_ok()
+            },
+        )
+        .await?;
         Ok(Self {
             id: opts.id,
             addr,

@@ -1,6 +1,6 @@
 //! A real single-node etcd on free loopback ports, plaintext or with mutual TLS.
 use crate::pki::{Creds, Pki};
-use crate::process::{free_port, which, Proc};
+use crate::process::{eventually, free_port, which, Proc};
 use anyhow::{bail, Context, Result};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -127,6 +127,21 @@ impl Etcd {
                 )
             })
             .collect()
+    }
+
+    /// Waits up to `timeout` until `key` is absent; false if it is still there.
+    pub async fn wait_gone(&self, key: &str, timeout: Duration) -> bool {
+        let kv = self.client().await;
+        eventually(timeout, || {
+            let mut kv = kv.clone();
+            async move {
+                kv.get(key, None)
+                    .await
+                    .map(|r| r.kvs().is_empty())
+                    .unwrap_or(false)
+            }
+        })
+        .await
     }
 
     /// A client.

@@ -3,9 +3,10 @@
 use crate::model::MODEL;
 use tokenmesh_proto::v1::inference_client::InferenceClient;
 use tokenmesh_proto::v1::{
-    generate_response::Event, Accepted, ChatMessage, Finished, GenerateRequest,
+    generate_response::Event, Accepted, ChatMessage, Finished, GenerateRequest, GenerateResponse,
 };
 use tonic::transport::Channel;
+use tonic::Streaming;
 
 /// Everything one Generate stream delivered.
 #[derive(Debug, Default)]
@@ -28,7 +29,16 @@ pub async fn collect(
     req: GenerateRequest,
 ) -> std::result::Result<Collected, tonic::Status> {
     let mut stream = client.generate(req).await?.into_inner();
-    let mut out = Collected::default();
+    collect_rest(&mut stream, Collected::default()).await
+}
+
+/// Reads the rest of a Generate stream into `out`, which holds what the test
+/// took from it already (the `seqs` of those messages at least), and checks
+/// the seq numbering of the whole stream.
+pub async fn collect_rest(
+    stream: &mut Streaming<GenerateResponse>,
+    mut out: Collected,
+) -> std::result::Result<Collected, tonic::Status> {
     while let Some(msg) = stream.message().await? {
         out.seqs.push(msg.seq);
         match msg.event {
@@ -62,6 +72,16 @@ pub fn france_request(max_tokens: u32) -> GenerateRequest {
         ],
         max_tokens: Some(max_tokens),
         temperature: Some(0.0),
+        ..Default::default()
+    }
+}
+
+/// A plain prompt for `MODEL`, at the engine's default sampling.
+pub fn prompt_request(prompt: &str, max_tokens: u32) -> GenerateRequest {
+    GenerateRequest {
+        model: MODEL.into(),
+        prompt: prompt.into(),
+        max_tokens: Some(max_tokens),
         ..Default::default()
     }
 }

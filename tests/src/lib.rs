@@ -4,6 +4,7 @@
 //!
 //! Every item is re-exported at the crate root, so a suite says
 //! `use tokenmesh_tests::*;`; the modules say where each piece lives.
+pub mod clients;
 pub mod control;
 pub mod etcd;
 pub mod fixtures;
@@ -13,9 +14,13 @@ pub mod model;
 pub mod pki;
 pub mod process;
 
+pub use clients::{generate_client, grpcurl, grpcurl_output};
 pub use etcd::Etcd;
-pub use fixtures::{collect, france_request, Collected};
-pub use mesh::{static_file, static_router, wait_idle, RouterProc, WorkerOpts, WorkerProc};
+pub use fixtures::{collect, collect_rest, france_request, prompt_request, Collected};
+pub use mesh::{
+    etcd_router, real_worker, static_file, static_router, wait_idle, RouterProc, WorkerOpts,
+    WorkerProc,
+};
 pub use metrics::{scrape, scrape_text, series_names};
 pub use model::{model_path, MODEL};
 pub use pki::{channel, Creds, Pki};

@@ -1,9 +1,10 @@
 //! Workers and routers as real processes, started on free loopback ports and
 //! awaited with readiness probes, and the static discovery file that joins
 //! them without etcd.
+use crate::etcd::Etcd;
 use crate::model::{model_path, MODEL};
 use crate::pki::{channel, Creds};
-use crate::process::{bin, eventually, free_port, Proc};
+use crate::process::{bin, eventually, free_port, transport_args, wait_serving, Proc};
 use anyhow::{bail, Result};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -111,18 +112,16 @@ impl WorkerProc {
         let mut proc = Proc::spawn(&opts.id, &bin("tokenmesh-worker"), &args, dir)?;
         let addr = format!("http://127.0.0.1:{port}");
         let creds = opts.tls.as_ref().map(|t| t.1.clone());
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            if let Ok(ch) = channel(&addr, creds.as_ref()).await {
-                if WorkerClient::new(ch).status(StatusRequest {}).await.is_ok() {
-                    break;
-                }
-            }
-            if !proc.running() || Instant::now() > deadline {
-                bail!("worker {} did not start:\n{}", opts.id, proc.log_text());
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let what = format!("worker {}", opts.id);
+        let serving = (addr.as_str(), creds.as_ref());
+        wait_serving(
+            &mut proc,
+            &what,
+            Duration::from_secs(60),
+            serving,
+            |ch| async move { WorkerClient::new(ch).status(StatusRequest {}).await.is_ok() },
+        )
+        .await?;
         Ok(Self {
             id: opts.id,
             addr,
@@ -138,14 +137,6 @@ impl WorkerProc {
                 .await
                 .expect("connecting to a worker"),
         )
-    }
-}
-
-/// `--tls-dir DIR`, or `--insecure` without one.
-fn transport_args(tls_dir: Option<&Path>) -> Vec<String> {
-    match tls_dir {
-        Some(d) => vec!["--tls-dir".into(), d.display().to_string()],
-        None => vec!["--insecure".into()],
     }
 }
 
@@ -183,23 +174,37 @@ impl RouterProc {
         let mut proc = Proc::spawn("router", &bin("tokenmesh-router"), &args, dir)?;
         let addr = format!("http://127.0.0.1:{port}");
         let creds = tls.map(|t| t.1);
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if let Ok(ch) = channel(&addr, creds.as_ref()).await {
-                if InferenceClient::new(ch)
-                    .list_models(ListModelsRequest {})
-                    .await
-                    .is_ok()
-                {
-                    break;
-                }
-            }
-            if !proc.running() || Instant::now() > deadline {
-                bail!("router did not start:\n{}", proc.log_text());
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let serving = (addr.as_str(), creds.as_ref());
+        wait_serving(
+            &mut proc,
+            "router",
+            Duration::from_secs(30),
+            serving,
+            |ch| async move {
+                let probe = ListModelsRequest {};
+                InferenceClient::new(ch).list_models(probe).await.is_ok()
+            },
+        )
+        .await?;
         Ok(Self { addr, proc, creds })
+    }
+
+    /// Starts a router as [`RouterProc::start_tls`] does and waits until it
+    /// sees `ready` ready workers of `MODEL`; the test fails otherwise.
+    pub async fn start_ready(
+        discovery: &[String],
+        tls: Option<(PathBuf, Creds)>,
+        dir: &Path,
+        ready: usize,
+    ) -> Self {
+        let router = Self::start_tls(discovery, tls, dir)
+            .await
+            .expect("router starts");
+        router
+            .wait_ready_workers(MODEL, ready, Duration::from_secs(20))
+            .await
+            .expect("the workers become ready behind the router");
+        router
     }
 
     /// An Inference client.
@@ -274,10 +279,22 @@ pub async fn wait_idle(worker: &WorkerProc, timeout: Duration) -> bool {
 pub async fn static_router(dir: &Path, workers: &[&WorkerProc], extra: &[&str]) -> RouterProc {
     let mut args = vec!["--static".to_string(), static_file(dir, workers)];
     args.extend(extra.iter().map(|s| s.to_string()));
-    let router = RouterProc::start(&args, dir).await.expect("router starts");
-    router
-        .wait_ready_workers(MODEL, workers.len(), Duration::from_secs(20))
-        .await
-        .expect("every worker becomes ready behind the router");
-    router
+    RouterProc::start_ready(&args, None, dir, workers.len()).await
+}
+
+/// A plaintext router discovering workers through `etcd`, started with the
+/// `extra` flags, once `ready` workers of `MODEL` are ready behind it.
+pub async fn etcd_router(dir: &Path, etcd: &Etcd, ready: usize, extra: &[&str]) -> RouterProc {
+    let mut args = vec!["--etcd".to_string(), etcd.url.clone()];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    RouterProc::start_ready(&args, None, dir, ready).await
+}
+
+/// A worker running the real model (v1, no etcd) with the `extra` flags.
+pub async fn real_worker(id: &str, extra: &[&str], dir: &Path) -> WorkerProc {
+    let opts = WorkerOpts {
+        extra: extra.iter().map(|s| s.to_string()).collect(),
+        ..WorkerOpts::new(id)
+    };
+    WorkerProc::start(opts, dir).await.expect("worker starts")
 }

@@ -41,6 +41,24 @@ impl Pki {
     pub fn creds(&self, role: Role, name: &str) -> Result<Creds> {
         Ok(Creds::new(self.issue(role, name)?, role))
     }
+
+    /// A worker's `--tls-dir` (its certificate names `id`) and the router
+    /// credentials the harness probes it with.
+    pub fn worker_tls(&self, id: &str) -> Result<(PathBuf, Creds)> {
+        Ok((
+            self.issue(Role::Worker, id)?,
+            self.creds(Role::Router, "probe")?,
+        ))
+    }
+
+    /// A router's `--tls-dir` (named `router`) and the credentials of the
+    /// client `client` the harness calls it as.
+    pub fn router_tls(&self, client: &str) -> Result<(PathBuf, Creds)> {
+        Ok((
+            self.issue(Role::Router, "router")?,
+            self.creds(Role::Client, client)?,
+        ))
+    }
 }
 
 /// What a test client presents: a `--tls-dir`-style directory and the role

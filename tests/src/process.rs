@@ -1,10 +1,12 @@
 //! Child processes of the suites: where the workspace's binaries are, free
 //! loopback ports, a supervisor that kills its process when dropped, and a
 //! poll helper so that tests wait on conditions, never on fixed sleeps.
+use crate::pki::{channel, Creds};
 use anyhow::{Context, Result};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+use tonic::transport::Channel;
 
 /// Where the release binaries are: `TOKENMESH_BIN_DIR`, else the profile
 /// directory this test binary was built into (target/<profile>/deps/..).
@@ -87,9 +89,27 @@ impl Proc {
         None
     }
 
+    /// Sends SIGTERM and waits up to `timeout` for the process to exit; its
+    /// exit status (the test fails if it keeps running).
+    pub fn terminate(&mut self, timeout: Duration) -> std::process::ExitStatus {
+        self.signal(nix::sys::signal::Signal::SIGTERM);
+        self.wait_exit(timeout).unwrap_or_else(|| {
+            panic!(
+                "{} still runs {timeout:?} after SIGTERM:\n{}",
+                self.name,
+                self.log_text()
+            )
+        })
+    }
+
     /// True while the process runs.
     pub fn running(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// Waits up to `timeout` until the log contains `text`.
+    pub async fn wait_for_log(&self, text: &str, timeout: Duration) -> bool {
+        eventually(timeout, || async { self.log_text().contains(text) }).await
     }
 
     /// The log so far, for failure messages.
@@ -121,6 +141,44 @@ where
             return false;
         }
         tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+/// Polls `probe` with a channel to `addr` (mutual TLS with `creds`) every
+/// 50 ms until it answers true: a process that was just started serves.
+/// Fails with the process's log if it exits or `timeout` passes first.
+pub(crate) async fn wait_serving<F, Fut>(
+    proc: &mut Proc,
+    what: &str,
+    timeout: Duration,
+    (addr, creds): (&str, Option<&Creds>),
+    mut probe: F,
+) -> Result<()>
+where
+    F: FnMut(Channel) -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Ok(ch) = channel(addr, creds).await {
+            if probe(ch).await {
+                return Ok(());
+            }
+        }
+        anyhow::ensure!(
+            proc.running() && Instant::now() <= deadline,
+            "{what} did not start:\n{}",
+            proc.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// `--tls-dir DIR`, or `--insecure` without one.
+pub(crate) fn transport_args(tls_dir: Option<&Path>) -> Vec<String> {
+    match tls_dir {
+        Some(d) => vec!["--tls-dir".into(), d.display().to_string()],
+        None => vec!["--insecure".into()],
     }
 }
 

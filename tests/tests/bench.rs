@@ -5,9 +5,10 @@
 //! through a router that demands mutual TLS, with `--tls-dir`.
 use anyhow::{Context, Result};
 use serde_json::Value;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 use tokenmesh_certs::Role;
-use tokenmesh_tests::{bin, Pki, RouterProc, WorkerOpts, WorkerProc};
+use tokenmesh_tests::{bin, Creds, Pki, RouterProc, WorkerOpts, WorkerProc};
 
 const RATE: f64 = 50.0; // tokens/s per sequence: one every 20 ms
 const STREAMS: f64 = 4.0;
@@ -93,34 +94,38 @@ fn check(report: &Value) {
     );
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn bench_measures_the_synthetic_engine_rate_within_5_percent() {
-    let dir = tempfile::tempdir().unwrap();
+/// A synthetic worker at `RATE` serving the model `synthetic`; with `tls`,
+/// mutual TLS.
+async fn synthetic_worker(id: &str, tls: Option<(PathBuf, Creds)>, dir: &Path) -> WorkerProc {
     let opts = WorkerOpts {
         synthetic_tokens_per_sec: Some(RATE),
         extra: vec!["--model-name".into(), "synthetic".into()],
-        ..WorkerOpts::new("w-synthetic")
+        tls,
+        ..WorkerOpts::new(id)
     };
-    let worker = WorkerProc::start(opts, dir.path()).await.unwrap();
+    WorkerProc::start(opts, dir).await.unwrap()
+}
 
-    let direct = bench(&["--direct", "--target", &worker.addr])
-        .await
-        .unwrap();
-    assert_eq!(direct["labels"]["api"], "worker");
-    check(&direct);
-
-    let static_file = dir.path().join("static.toml");
+/// A router over a static file listing `worker` alone as `synthetic` v1, the
+/// stable version; with `tls`, mutual TLS.
+async fn synthetic_router(
+    worker: &WorkerProc,
+    tls: Option<(PathBuf, Creds)>,
+    dir: &Path,
+) -> RouterProc {
+    let static_file = dir.join("static.toml");
     std::fs::write(
         &static_file,
         format!(
-            "[[workers]]\nid = \"w-synthetic\"\nmodel = \"synthetic\"\nversion = \"v1\"\naddr = \"{}\"\n\n[models.\"synthetic\"]\nstable = \"v1\"\n",
-            worker.addr
+            "[[workers]]\nid = \"{}\"\nmodel = \"synthetic\"\nversion = \"v1\"\naddr = \"{}\"\n\n[models.\"synthetic\"]\nstable = \"v1\"\n",
+            worker.id, worker.addr
         ),
     )
     .unwrap();
-    let router = RouterProc::start(
+    let router = RouterProc::start_tls(
         &["--static".into(), static_file.display().to_string()],
-        dir.path(),
+        tls,
+        dir,
     )
     .await
     .unwrap();
@@ -128,6 +133,21 @@ async fn bench_measures_the_synthetic_engine_rate_within_5_percent() {
         .wait_ready_workers("synthetic", 1, Duration::from_secs(10))
         .await
         .unwrap();
+    router
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bench_measures_the_synthetic_engine_rate_within_5_percent() {
+    let dir = tempfile::tempdir().unwrap();
+    let worker = synthetic_worker("w-synthetic", None, dir.path()).await;
+
+    let direct = bench(&["--direct", "--target", &worker.addr])
+        .await
+        .unwrap();
+    assert_eq!(direct["labels"]["api"], "worker");
+    check(&direct);
+
+    let router = synthetic_router(&worker, None, dir.path()).await;
     let routed = bench(&["--target", &router.addr]).await.unwrap();
     assert_eq!(routed["labels"]["api"], "router");
     check(&routed);
@@ -137,39 +157,14 @@ async fn bench_measures_the_synthetic_engine_rate_within_5_percent() {
 async fn bench_loads_a_mutual_tls_router_with_tls_dir() {
     let dir = tempfile::tempdir().unwrap();
     let pki = Pki::new().unwrap();
-    let opts = WorkerOpts {
-        synthetic_tokens_per_sec: Some(RATE),
-        extra: vec!["--model-name".into(), "synthetic".into()],
-        tls: Some((
-            pki.issue(Role::Worker, "w-tls").unwrap(),
-            pki.creds(Role::Router, "probe").unwrap(),
-        )),
-        ..WorkerOpts::new("w-tls")
-    };
-    let worker = WorkerProc::start(opts, dir.path()).await.unwrap();
-    let static_file = dir.path().join("static.toml");
-    std::fs::write(
-        &static_file,
-        format!(
-            "[[workers]]\nid = \"w-tls\"\nmodel = \"synthetic\"\nversion = \"v1\"\naddr = \"{}\"\n\n[models.\"synthetic\"]\nstable = \"v1\"\n",
-            worker.addr
-        ),
-    )
-    .unwrap();
-    let router = RouterProc::start_tls(
-        &["--static".into(), static_file.display().to_string()],
-        Some((
-            pki.issue(Role::Router, "router").unwrap(),
-            pki.creds(Role::Client, "harness").unwrap(),
-        )),
+    let worker =
+        synthetic_worker("w-tls", Some(pki.worker_tls("w-tls").unwrap()), dir.path()).await;
+    let router = synthetic_router(
+        &worker,
+        Some(pki.router_tls("harness").unwrap()),
         dir.path(),
     )
-    .await
-    .unwrap();
-    router
-        .wait_ready_workers("synthetic", 1, Duration::from_secs(10))
-        .await
-        .unwrap();
+    .await;
     let client_dir = pki.issue(Role::Client, "bench").unwrap();
     let client_dir = client_dir.display().to_string();
     let routed = bench(&["--target", &router.addr, "--tls-dir", &client_dir])

@@ -9,7 +9,9 @@ use tokenmesh_proto::v1::{
     self, control_client::ControlClient, generate_response::Event, GenerateRequest,
 };
 use tokenmesh_tests::control::{ControlOpts, ControlProc};
-use tokenmesh_tests::{collect, eventually, Etcd, RouterProc, WorkerOpts, WorkerProc};
+use tokenmesh_tests::{
+    collect, collect_rest, eventually, Collected, Etcd, RouterProc, WorkerOpts, WorkerProc,
+};
 use tonic::transport::Channel;
 use tonic::Code;
 
@@ -90,13 +92,7 @@ impl Mesh {
 
     async fn set_stable(&self, version: &str) -> v1::PolicyResponse {
         let mut c = self.control.client().await;
-        let current = c
-            .get_policy(v1::GetPolicyRequest {
-                model: MODEL.into(),
-            })
-            .await
-            .expect("model known")
-            .into_inner();
+        let current = get_policy(&mut c).await.expect("model known");
         c.set_policy(v1::SetPolicyRequest {
             model: MODEL.into(),
             policy: Some(v1::TrafficPolicy {
@@ -170,18 +166,35 @@ async fn watch_to_end(c: &mut ControlClient<Channel>, timeout: Duration) -> v1::
     last.expect("at least one rollout state")
 }
 
+/// The model's policy as the control plane answers it.
+async fn get_policy(c: &mut ControlClient<Channel>) -> Result<v1::PolicyResponse, tonic::Status> {
+    let req = v1::GetPolicyRequest {
+        model: MODEL.into(),
+    };
+    Ok(c.get_policy(req).await?.into_inner())
+}
+
 /// The stored policy's (stable, canary) versions.
 async fn policy_arms(c: &mut ControlClient<Channel>) -> (String, String) {
-    let p = c
-        .get_policy(v1::GetPolicyRequest {
-            model: MODEL.into(),
-        })
+    let p = get_policy(c)
         .await
         .expect("policy readable")
-        .into_inner()
         .policy
         .expect("model has a policy");
     (p.stable_version, p.canary_version)
+}
+
+/// A rollout of v2 through `steps` (percent), holding each for
+/// `hold_seconds` and judging a step once it saw `min_requests` canary requests.
+fn canary_v2(steps: &[u32], hold_seconds: u32, min_requests: u32) -> v1::StartCanaryRequest {
+    v1::StartCanaryRequest {
+        model: MODEL.into(),
+        canary_version: "v2".into(),
+        steps: steps.to_vec(),
+        hold_seconds,
+        min_requests,
+        ..Default::default()
+    }
 }
 
 fn verdict(d: &v1::Decision) -> v1::Verdict {
@@ -196,14 +209,7 @@ async fn healthy_canary_is_promoted_and_the_split_follows_each_step() {
     let tasks = load(&mesh.router, 4, stop.clone());
     let mut c = mesh.control.client().await;
     let started = c
-        .start_canary(v1::StartCanaryRequest {
-            model: MODEL.into(),
-            canary_version: "v2".into(),
-            steps: vec![20, 50, 100],
-            hold_seconds: 3,
-            min_requests: 30,
-            ..Default::default()
-        })
+        .start_canary(canary_v2(&[20, 50, 100], 3, 30))
         .await
         .expect("rollout starts")
         .into_inner();
@@ -301,17 +307,10 @@ async fn rolled_back(faults: &[&str]) -> v1::Decision {
     let tasks = load(&mesh.router, 4, stop.clone());
     let mut c = mesh.control.client().await;
     let t0 = Instant::now();
-    c.start_canary(v1::StartCanaryRequest {
-        model: MODEL.into(),
-        canary_version: "v2".into(),
-        steps: vec![25, 100],
-        // A long hold: the rollback must not wait for it.
-        hold_seconds: 600,
-        min_requests: 20,
-        ..Default::default()
-    })
-    .await
-    .expect("rollout starts");
+    // A long hold: the rollback must not wait for it.
+    c.start_canary(canary_v2(&[25, 100], 600, 20))
+        .await
+        .expect("rollout starts");
     let end = watch_to_end(&mut c, Duration::from_secs(30)).await;
     let took = t0.elapsed();
     stop.store(true, Ordering::SeqCst);
@@ -372,16 +371,7 @@ async fn concurrent_policy_writes_one_wins_the_other_is_aborted() {
         "{}",
         loser.message()
     );
-    let now = mesh
-        .control
-        .client()
-        .await
-        .get_policy(v1::GetPolicyRequest {
-            model: MODEL.into(),
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let now = get_policy(&mut mesh.control.client().await).await.unwrap();
     assert_eq!(now.revision, winner.revision);
     assert_eq!(now.policy, winner.policy);
 
@@ -443,17 +433,15 @@ async fn concurrent_policy_writes_one_wins_the_other_is_aborted() {
         hold_seconds: 600,
         ..Default::default()
     };
+    let descending = || v1::StartCanaryRequest {
+        steps: vec![50, 20],
+        ..start()
+    };
     // The policy names v2 as canary already; a rollout takes it over.
     c.start_canary(start()).await.expect("first rollout starts");
     let again = c.start_canary(start()).await.unwrap_err();
     assert_eq!(again.code(), Code::AlreadyExists, "{again:?}");
-    let bad_steps = c
-        .start_canary(v1::StartCanaryRequest {
-            steps: vec![50, 20],
-            ..start()
-        })
-        .await
-        .unwrap_err();
+    let bad_steps = c.start_canary(descending()).await.unwrap_err();
     assert!(
         matches!(
             bad_steps.code(),
@@ -466,13 +454,7 @@ async fn concurrent_policy_writes_one_wins_the_other_is_aborted() {
     })
     .await
     .expect("operator rollback");
-    let bad_steps = c
-        .start_canary(v1::StartCanaryRequest {
-            steps: vec![50, 20],
-            ..start()
-        })
-        .await
-        .unwrap_err();
+    let bad_steps = c.start_canary(descending()).await.unwrap_err();
     assert_eq!(bad_steps.code(), Code::InvalidArgument, "{bad_steps:?}");
 
     // etcd unreachable: writes are UNAVAILABLE, reads say how stale they are.
@@ -487,13 +469,9 @@ async fn concurrent_policy_writes_one_wins_the_other_is_aborted() {
         .await
         .unwrap_err();
     assert_eq!(write.code(), Code::Unavailable, "{write:?}");
-    let stale = c
-        .get_policy(v1::GetPolicyRequest {
-            model: MODEL.into(),
-        })
+    let stale = get_policy(&mut c)
         .await
-        .expect("reads fall back to the last snapshot")
-        .into_inner();
+        .expect("reads fall back to the last snapshot");
     let f = stale.freshness.unwrap();
     assert!(f.stale && !f.reason.is_empty(), "{f:?}");
     assert_eq!(stale.policy.unwrap().stable_version, "v1");
@@ -527,16 +505,9 @@ async fn a_new_leader_takes_over_the_running_rollout_within_the_ttl() {
     let stop = Arc::new(AtomicBool::new(false));
     let tasks = load(&mesh.router, 2, stop.clone());
     let mut c = b.client().await;
-    c.start_canary(v1::StartCanaryRequest {
-        model: MODEL.into(),
-        canary_version: "v2".into(),
-        steps: vec![30, 100],
-        hold_seconds: 2,
-        min_requests: 10,
-        ..Default::default()
-    })
-    .await
-    .expect("rollout starts through the follower");
+    c.start_canary(canary_v2(&[30, 100], 2, 10))
+        .await
+        .expect("rollout starts through the follower");
     // Let the leader decide at least once, then kill it.
     let decided_by_a = eventually(Duration::from_secs(10), || {
         let mut c = c.clone();
@@ -583,8 +554,7 @@ async fn a_new_leader_takes_over_the_running_rollout_within_the_ttl() {
     }
     assert_eq!(end.state, v1::RolloutState::Promoted as i32, "{end:#?}");
     assert_eq!(end.decisions.last().unwrap().decided_by, "cp-b");
-    b.proc.signal(nix::sys::signal::Signal::SIGTERM);
-    assert!(b.proc.wait_exit(Duration::from_secs(10)).is_some());
+    b.proc.terminate(Duration::from_secs(10));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -659,26 +629,17 @@ async fn drained_worker_gets_no_new_streams_and_finishes_its_own() {
         served.fetch_add(1, Ordering::SeqCst);
     }
     // The in-flight stream on wa completes, gapless.
-    let mut seqs = vec![0u64];
-    let mut tokens = 0;
-    let mut finished = None;
-    while let Some(m) = long
-        .message()
+    let taken = Collected {
+        seqs: vec![0],
+        ..Default::default()
+    };
+    let rest = collect_rest(&mut long, taken)
         .await
-        .expect("in-flight stream survives the drain")
-    {
-        seqs.push(m.seq);
-        match m.event {
-            Some(Event::Delta(d)) => tokens += d.token_ids.len(),
-            Some(Event::Finished(f)) => finished = Some(f),
-            _ => {}
-        }
-    }
-    let f = finished.expect("Finished");
+        .expect("in-flight stream survives the drain");
+    let f = rest.finished.expect("Finished");
     assert_eq!(f.worker_id, "wa");
     assert_eq!(f.failovers, 0);
-    assert_eq!(tokens, 60);
-    assert_eq!(seqs, (0..seqs.len() as u64).collect::<Vec<_>>());
+    assert_eq!(rest.token_ids.len(), 60);
     // Then wa leaves on its own, and its keys go with it.
     let status = a
         .proc
@@ -741,13 +702,7 @@ async fn auditors_read_operators_write_others_are_refused() {
     set(control.client().await)
         .await
         .expect("the operator writes");
-    let read = a
-        .get_policy(v1::GetPolicyRequest {
-            model: MODEL.into(),
-        })
-        .await
-        .expect("the auditor reads")
-        .into_inner();
+    let read = get_policy(&mut a).await.expect("the auditor reads");
     assert_eq!(read.policy.unwrap().stable_version, "v1");
     let client = pki.creds(Role::Client, "app").unwrap();
     let refused = control

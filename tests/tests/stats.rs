@@ -11,11 +11,8 @@ use tonic::Code;
 
 fn pinned(version: &str) -> GenerateRequest {
     GenerateRequest {
-        model: MODEL.into(),
-        prompt: "count these words".into(),
-        max_tokens: Some(3),
         version: Some(version.into()),
-        ..Default::default()
+        ..prompt_request("count these words", 3)
     }
 }
 
@@ -43,23 +40,13 @@ async fn stats_count_attempts_errors_and_ttft_per_version_and_go_with_the_router
     );
     let _good = WorkerProc::start(good, dir.path()).await.unwrap();
     let _bad = WorkerProc::start(bad, dir.path()).await.unwrap();
-    let mut router = RouterProc::start(
-        &[
-            "--etcd".into(),
-            etcd.url.clone(),
-            "--router-id".into(),
-            "r-stats".into(),
-            "--stats-interval-ms".into(),
-            "300".into(),
-        ],
+    let mut router = etcd_router(
         dir.path(),
+        &etcd,
+        2,
+        &["--router-id", "r-stats", "--stats-interval-ms", "300"],
     )
-    .await
-    .unwrap();
-    router
-        .wait_ready_workers(MODEL, 2, Duration::from_secs(20))
-        .await
-        .unwrap();
+    .await;
 
     let client = router.client().await;
     let mut tasks = Vec::new();
@@ -136,11 +123,7 @@ async fn stats_count_attempts_errors_and_ttft_per_version_and_go_with_the_router
     }
 
     // SIGTERM: the router revokes its lease on the way out.
-    router.proc.signal(nix::sys::signal::Signal::SIGTERM);
-    let status = router
-        .proc
-        .wait_exit(Duration::from_secs(15))
-        .expect("the router stops on SIGTERM");
+    let status = router.proc.terminate(Duration::from_secs(15));
     assert!(status.success(), "{}", router.proc.log_text());
     assert_eq!(
         etcd.get_prefix(&keys.stats_prefix()).await,

