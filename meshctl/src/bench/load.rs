@@ -9,7 +9,7 @@
 //! after `--requests` measured requests) and every request is cut off at the
 //! window end plus `--drain-timeout`.
 use super::transport::{self, TlsArgs};
-use super::workload::{Shape, Spread, Workload};
+use super::workload::{Shape, ShapeArgs, Workload};
 use indicatif::{ProgressBar, ProgressStyle};
 use rand::SeedableRng;
 use rand_distr::{Distribution, Exp};
@@ -57,12 +57,8 @@ pub struct LoadArgs {
     /// Seconds of load before measuring; requests started in it are not reported.
     #[arg(long, default_value_t = 1.0)]
     pub warmup: f64,
-    /// Words per prompt: a number, or a range MIN..MAX sampled uniformly.
-    #[arg(long, default_value = "32")]
-    pub prompt_words: Spread,
-    /// max_tokens per request: a number, or a range MIN..MAX sampled uniformly.
-    #[arg(long, default_value = "64")]
-    pub max_tokens: Spread,
+    #[command(flatten)]
+    pub shape: ShapeArgs,
     /// Sampling temperature (default: the server's).
     #[arg(long)]
     pub temperature: Option<f32>,
@@ -264,7 +260,7 @@ pub async fn run(args: &LoadArgs, progress: bool) -> anyhow::Result<Run> {
         target,
         model: model.clone(),
         temperature: args.temperature,
-        workload: Mutex::new(Workload::new(args.seed, args.prompt_words, args.max_tokens)),
+        workload: Mutex::new(Workload::new(args.seed, args.shape)),
         samples: Mutex::new(Vec::new()),
         t0,
         warm_end,

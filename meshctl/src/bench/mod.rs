@@ -93,7 +93,7 @@ fn labels(args: &load::LoadArgs, model: &str) -> BTreeMap<String, String> {
         Some(r) => l.insert("rate".into(), format!("{r}")),
         None => l.insert("concurrency".into(), args.concurrency.to_string()),
     };
-    l.insert("max_tokens".into(), args.max_tokens.to_string());
-    l.insert("prompt_words".into(), args.prompt_words.to_string());
+    l.insert("max_tokens".into(), args.shape.max_tokens.to_string());
+    l.insert("prompt_words".into(), args.shape.prompt_words.to_string());
     l
 }

@@ -6,7 +6,7 @@ use super::heatmap::{self, Grid};
 use super::load::{self, LoadArgs};
 use super::report::{self, Format, Report};
 use super::transport::TlsArgs;
-use super::workload::Spread;
+use super::workload::ShapeArgs;
 use super::OutputArgs;
 use crate::children::Children;
 use crate::mesh::{static_discovery, wait_ready, StaticWorker};
@@ -59,12 +59,8 @@ pub struct SweepArgs {
     /// Seconds of warm-up per configuration.
     #[arg(long, default_value_t = 1.0)]
     pub warmup: f64,
-    /// Words per prompt: a number or MIN..MAX.
-    #[arg(long, default_value = "32")]
-    pub prompt_words: Spread,
-    /// max_tokens per request: a number or MIN..MAX.
-    #[arg(long, default_value = "64")]
-    pub max_tokens: Spread,
+    #[command(flatten)]
+    pub shape: ShapeArgs,
     /// Seed of the workload.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
@@ -276,8 +272,7 @@ fn point_load(args: &SweepArgs, router: &str, model: &str, concurrency: u32) -> 
         duration: args.duration,
         requests: None,
         warmup: args.warmup,
-        prompt_words: args.prompt_words,
-        max_tokens: args.max_tokens,
+        shape: args.shape,
         temperature: None,
         seed: args.seed,
         connections: 1,
@@ -296,7 +291,7 @@ fn point_labels(args: &SweepArgs, w: u32, b: u32, c: u32) -> BTreeMap<String, St
         ("workers".to_string(), w.to_string()),
         ("max_batch".to_string(), b.to_string()),
         ("concurrency".to_string(), c.to_string()),
-        ("max_tokens".to_string(), args.max_tokens.to_string()),
+        ("max_tokens".to_string(), args.shape.max_tokens.to_string()),
     ])
 }
 

@@ -63,6 +63,18 @@ const WORDS: &[&str] = &[
     "warm", "windows",
 ];
 
+/// How long prompts and replies are: the flags `meshctl bench` and
+/// `meshctl bench sweep` share.
+#[derive(clap::Args, Clone, Copy, Debug)]
+pub struct ShapeArgs {
+    /// Words per prompt: a number, or a range MIN..MAX sampled uniformly.
+    #[arg(long, default_value = "32")]
+    pub prompt_words: Spread,
+    /// max_tokens per request: a number, or a range MIN..MAX sampled uniformly.
+    #[arg(long, default_value = "64")]
+    pub max_tokens: Spread,
+}
+
 /// One request's shape.
 #[derive(Clone, Debug)]
 pub struct Shape {
@@ -78,11 +90,11 @@ pub struct Workload {
 }
 
 impl Workload {
-    pub fn new(seed: u64, prompt_words: Spread, max_tokens: Spread) -> Self {
+    pub fn new(seed: u64, shape: ShapeArgs) -> Self {
         Self {
             rng: StdRng::seed_from_u64(seed),
-            prompt_words,
-            max_tokens,
+            prompt_words: shape.prompt_words,
+            max_tokens: shape.max_tokens,
         }
     }
 
@@ -117,9 +129,11 @@ mod tests {
 
     #[test]
     fn the_same_seed_gives_the_same_requests() {
-        let spread = |s: &str| s.parse::<Spread>().unwrap();
-        let mut a = Workload::new(7, spread("4..40"), spread("8..16"));
-        let mut b = Workload::new(7, spread("4..40"), spread("8..16"));
+        let shape = ShapeArgs {
+            prompt_words: "4..40".parse().unwrap(),
+            max_tokens: "8..16".parse().unwrap(),
+        };
+        let (mut a, mut b) = (Workload::new(7, shape), Workload::new(7, shape));
         for _ in 0..20 {
             let (x, y) = (a.next_shape(), b.next_shape());
             assert_eq!(x.prompt, y.prompt);
