@@ -7,6 +7,10 @@ use tonic::{Code, Status};
 pub enum RouterError {
     #[error(transparent)]
     Invalid(#[from] InvalidField),
+    #[error(
+        "the router has not loaded its view of the workers yet (discovery: {0}); retry in a moment"
+    )]
+    NotLoaded(&'static str),
     #[error("model {asked:?} not found; available: {}", list(available))]
     UnknownModel {
         asked: String,
@@ -72,7 +76,9 @@ impl RouterError {
             }
             RouterError::Invalid(_) | RouterError::PinNotAllowed(_) => Code::InvalidArgument,
             RouterError::UnknownModel { .. } | RouterError::UnknownVersion { .. } => Code::NotFound,
-            RouterError::NoWorker { .. } | RouterError::StreamLost { .. } => Code::Unavailable,
+            RouterError::NotLoaded(_)
+            | RouterError::NoWorker { .. }
+            | RouterError::StreamLost { .. } => Code::Unavailable,
             RouterError::Overloaded(_) => Code::ResourceExhausted,
             RouterError::DeadlineExceeded { .. } => Code::DeadlineExceeded,
         };

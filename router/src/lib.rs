@@ -51,6 +51,10 @@ pub async fn run(
         shutdown.await;
         let _ = stop_stats.send(true);
     };
+    let loaded = {
+        let registry = registry.clone();
+        async move { registry.wait_loaded().await }
+    };
     let service = InferenceService::new(
         registry,
         admission::Admission::new(cfg.admission()),
@@ -63,6 +67,7 @@ pub async fn run(
         tls,
         cfg.server.tls_reload(),
     )
+    .serving_once(loaded)
     .configure(|server| {
         let server = server
             .http2_keepalive_interval(Some(Duration::from_millis(

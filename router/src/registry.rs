@@ -108,6 +108,9 @@ pub struct Registry {
     drained: RwLock<HashSet<String>>,
     /// What this router's requests did, per version.
     stats: Arc<Stats>,
+    /// True once discovery delivered its first full view (the static file,
+    /// or etcd's snapshot); before it, an unknown model proves nothing.
+    loaded: tokio::sync::watch::Sender<bool>,
 }
 
 /// Why a worker could not be added.
@@ -129,7 +132,25 @@ impl Registry {
             policies: RwLock::new(HashMap::new()),
             drained: RwLock::new(HashSet::new()),
             stats: Arc::new(Stats::default()),
+            loaded: tokio::sync::watch::channel(false).0,
         })
+    }
+
+    /// Discovery has delivered its first full view.
+    pub fn mark_loaded(&self) {
+        self.loaded.send_replace(true);
+    }
+
+    /// Whether discovery has delivered its first full view.
+    pub fn is_loaded(&self) -> bool {
+        *self.loaded.borrow()
+    }
+
+    /// Resolves once discovery has delivered its first full view.
+    pub async fn wait_loaded(&self) {
+        let mut rx = self.loaded.subscribe();
+        // The sender lives as long as the registry, which we borrow.
+        let _ = rx.wait_for(|loaded| *loaded).await;
     }
 
     /// The per-version counters the request path writes.

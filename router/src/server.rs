@@ -168,6 +168,10 @@ impl Inference for InferenceService {
         &self,
         _: Request<ListModelsRequest>,
     ) -> Result<Response<ListModelsResponse>, Status> {
+        if !self.router.registry().is_loaded() {
+            // An empty list would read as "no models"; the truth is "not yet".
+            return Err(RouterError::NotLoaded("etcd snapshot not read yet").into_status());
+        }
         let models = self
             .router
             .registry()

@@ -40,6 +40,8 @@ pub struct Server {
     tls_reload: Duration,
     builder: tonic::transport::Server,
     health: HealthReporter,
+    /// Until it resolves, grpc.health reports NOT_SERVING.
+    ready: Option<std::pin::Pin<Box<dyn Future<Output = ()> + Send>>>,
 }
 
 impl Server {
@@ -60,7 +62,15 @@ impl Server {
             tls_reload,
             builder: tonic::transport::Server::builder(),
             health: HealthReporter::new(),
+            ready: None,
         }
+    }
+
+    /// Reports NOT_SERVING on grpc.health, for the server and its service,
+    /// until `ready` resolves (a router before its first discovery view).
+    pub fn serving_once(mut self, ready: impl Future<Output = ()> + Send + 'static) -> Self {
+        self.ready = Some(Box::pin(ready));
+        self
     }
 
     /// Adjusts the HTTP/2 server (keepalive, connection age, …).
@@ -103,9 +113,29 @@ impl Server {
             + 'static,
         S::Future: Send + 'static,
     {
-        self.health
-            .set_service_status(S::NAME, ServingStatus::Serving)
-            .await;
+        match self.ready {
+            None => {
+                self.health
+                    .set_service_status(S::NAME, ServingStatus::Serving)
+                    .await
+            }
+            Some(ready) => {
+                for name in ["", S::NAME] {
+                    self.health
+                        .set_service_status(name, ServingStatus::NotServing)
+                        .await;
+                }
+                let health = self.health.clone();
+                tokio::spawn(async move {
+                    ready.await;
+                    for name in ["", S::NAME] {
+                        health
+                            .set_service_status(name, ServingStatus::Serving)
+                            .await;
+                    }
+                });
+            }
+        }
         let (reflection_v1, reflection_v1alpha) = crate::reflection::reflection();
         let routes = self
             .builder

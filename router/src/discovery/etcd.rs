@@ -116,6 +116,7 @@ async fn load_snapshot(
         }
     }
     registry.retain_policies(&seen_models);
+    registry.mark_loaded();
     tracing::info!(
         revision,
         workers = seen_workers.len(),

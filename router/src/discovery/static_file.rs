@@ -66,5 +66,6 @@ pub fn load(path: &Path, registry: &Registry) -> Result<(), DiscoveryError> {
     for (model, policy) in file.models {
         registry.set_policy(&model, Some(policy));
     }
+    registry.mark_loaded();
     Ok(())
 }

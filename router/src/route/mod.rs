@@ -187,14 +187,19 @@ impl Router {
     }
 
     /// The model's versions and policy; NOT_FOUND for a model no worker or
-    /// policy knows.
+    /// policy knows, once discovery has loaded (UNAVAILABLE before: a router
+    /// that has just started must not tell a client a real model is missing).
     fn known(&self, model: &str) -> Result<ModelEntry, RouterError> {
-        self.registry
-            .model(model)
-            .ok_or_else(|| RouterError::UnknownModel {
-                asked: model.into(),
-                available: self.registry.models().keys().cloned().collect(),
-            })
+        if let Some(entry) = self.registry.model(model) {
+            return Ok(entry);
+        }
+        if !self.registry.is_loaded() {
+            return Err(RouterError::NotLoaded("etcd snapshot not read yet"));
+        }
+        Err(RouterError::UnknownModel {
+            asked: model.into(),
+            available: self.registry.models().keys().cloned().collect(),
+        })
     }
 
     /// Step 2: the version, recorded on the `route` and `Generate` spans.
