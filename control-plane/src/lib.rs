@@ -56,7 +56,14 @@ pub async fn run(
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let (leading_tx, leading_rx) = tokio::sync::watch::channel(false);
-    let election_client = store::connect_client(etcd, etcd_tls.as_ref(), None).await?;
+    // No per-request timeout: a campaign call waits as long as another leads.
+    let election_client = tokenmesh_runtime::etcd::connect(
+        etcd,
+        etcd_tls.as_ref(),
+        tokenmesh_runtime::etcd::Use::Streams,
+    )
+    .await
+    .map_err(store::StoreError::from)?;
     let election = tokio::spawn(election::run(
         election_client,
         keys.control_election(),

@@ -180,7 +180,10 @@ impl Store {
         keys: Keys,
         tls: Option<&tokenmesh_certs::tls::TlsPaths>,
     ) -> Result<Self, StoreError> {
-        let client = connect_client(endpoints, tls, Some(REQUEST_TIMEOUT)).await?;
+        let usage = etcd::Use::Requests {
+            timeout: REQUEST_TIMEOUT,
+        };
+        let client = etcd::connect(endpoints, tls, usage).await?;
         Ok(Self {
             client,
             keys,
@@ -359,18 +362,4 @@ fn parsed<T: serde::de::DeserializeOwned>(key: &str, value: &[u8], what: &str) -
     serde_json::from_slice(value)
         .map_err(|e| tracing::warn!(key, error = %e, "ignoring malformed {what}"))
         .ok()
-}
-
-/// An etcd client; `timeout` bounds each request (leave it off for clients
-/// that hold long calls such as an election campaign).
-pub async fn connect_client(
-    endpoints: &[String],
-    tls: Option<&tokenmesh_certs::tls::TlsPaths>,
-    timeout: Option<Duration>,
-) -> Result<Client, StoreError> {
-    let usage = match timeout {
-        Some(timeout) => etcd::Use::Requests { timeout },
-        None => etcd::Use::Streams,
-    };
-    Ok(etcd::connect(endpoints, tls, usage).await?)
 }

@@ -7,10 +7,8 @@ use tonic::{Code, Status};
 pub enum RouterError {
     #[error(transparent)]
     Invalid(#[from] InvalidField),
-    #[error(
-        "the router has not loaded its view of the workers yet (discovery: {0}); retry in a moment"
-    )]
-    NotLoaded(&'static str),
+    #[error("the router has not read its etcd snapshot of the workers yet; retry in a moment")]
+    NotLoaded,
     #[error("model {asked:?} not found; available: {}", list(available))]
     UnknownModel {
         asked: String,
@@ -76,7 +74,7 @@ impl RouterError {
             }
             RouterError::Invalid(_) | RouterError::PinNotAllowed(_) => Code::InvalidArgument,
             RouterError::UnknownModel { .. } | RouterError::UnknownVersion { .. } => Code::NotFound,
-            RouterError::NotLoaded(_)
+            RouterError::NotLoaded
             | RouterError::NoWorker { .. }
             | RouterError::StreamLost { .. } => Code::Unavailable,
             RouterError::Overloaded(_) => Code::ResourceExhausted,

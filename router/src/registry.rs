@@ -309,6 +309,31 @@ impl Registry {
         out
     }
 
+    /// Whether any worker or policy knows `name`.
+    pub fn has_model(&self, name: &str) -> bool {
+        self.policies
+            .read()
+            .expect("registry lock")
+            .contains_key(name)
+            || self
+                .workers
+                .read()
+                .expect("registry lock")
+                .values()
+                .any(|ep| ep.model == name)
+    }
+
+    /// The workers of `model`/`version` (ready or not).
+    pub fn endpoints(&self, model: &str, version: &str) -> Vec<Arc<Endpoint>> {
+        self.workers
+            .read()
+            .expect("registry lock")
+            .values()
+            .filter(|ep| ep.model == model && ep.version == version)
+            .cloned()
+            .collect()
+    }
+
     /// One model's entry, if it is known.
     pub fn model(&self, name: &str) -> Option<ModelEntry> {
         let mut entry = ModelEntry::default();

@@ -168,10 +168,8 @@ impl Inference for InferenceService {
         &self,
         _: Request<ListModelsRequest>,
     ) -> Result<Response<ListModelsResponse>, Status> {
-        if !self.router.registry().is_loaded() {
-            // An empty list would read as "no models"; the truth is "not yet".
-            return Err(RouterError::NotLoaded("etcd snapshot not read yet").into_status());
-        }
+        // An empty list would read as "no models"; the truth is "not yet".
+        self.router.ensure_loaded()?;
         let models = self
             .router
             .registry()

@@ -21,6 +21,9 @@ use tokenmesh_router::config::RouterConfig;
 use tokenmesh_worker::config::WorkerConfig;
 use tonic::transport::Channel;
 use tonic::Code;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+use tonic_health::pb::HealthCheckRequest;
 use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record};
 use tracing_subscriber::layer::{Context, SubscriberExt};
@@ -103,6 +106,23 @@ struct Router {
     _dir: tempfile::TempDir,
 }
 
+/// Runs the router with `argv` in-process on 127.0.0.1:0: a lazy channel to
+/// it and the sender that stops it.
+async fn spawn_router(argv: &[String]) -> (Channel, tokio::sync::oneshot::Sender<()>) {
+    let cfg = RouterConfig::try_parse_from(argv).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(tokenmesh_router::run(cfg, listener, async {
+        let _ = stopped.await;
+    }));
+    let channel = Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect_lazy();
+    (channel, stop)
+}
+
+/// A router over a static file listing `workers`, once it sees them ready.
 async fn router(workers: &[&Worker], extra: &[&str]) -> Router {
     let dir = tempfile::tempdir().unwrap();
     let mut toml = String::new();
@@ -121,16 +141,7 @@ async fn router(workers: &[&Worker], extra: &[&str]) -> Router {
         path.display().to_string(),
     ];
     args.extend(extra.iter().map(|s| s.to_string()));
-    let cfg = RouterConfig::try_parse_from(args).unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(tokenmesh_router::run(cfg, listener, async {
-        let _ = stopped.await;
-    }));
-    let channel = Channel::from_shared(format!("http://{addr}"))
-        .unwrap()
-        .connect_lazy();
+    let (channel, stop) = spawn_router(&args).await;
     let mut client = InferenceClient::new(channel);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {
@@ -487,4 +498,100 @@ async fn a_queued_request_gets_the_version_that_is_ready_when_it_is_admitted() {
         .unwrap()
         .expect("served by the version still ready");
     assert_eq!(out.worker, "w-v1");
+}
+
+/// The health of `service` ("" for the whole server), once the server answers.
+async fn health(channel: &Channel, service: &str) -> ServingStatus {
+    let mut client = HealthClient::new(channel.clone());
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let asked = client
+            .check(HealthCheckRequest {
+                service: service.into(),
+            })
+            .await;
+        match asked {
+            Ok(r) => return r.into_inner().status(),
+            Err(e) if e.code() == Code::Unavailable => {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "router never answered: {e}"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => panic!("health check of {service:?}: {e}"),
+        }
+    }
+}
+
+// A router before its first discovery view must not call a real model
+// missing: UNAVAILABLE (a client retries), not NOT_FOUND or an empty list
+// (a client gives up), and NOT_SERVING on grpc.health.
+#[tokio::test]
+async fn before_its_first_etcd_snapshot_the_router_says_unavailable_not_not_found() {
+    // An etcd endpoint where nothing listens: the snapshot never arrives.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let argv = [
+        "tokenmesh-router".into(),
+        "--insecure".into(),
+        "--etcd".into(),
+        format!("http://127.0.0.1:{port}"),
+    ];
+    let (channel, _stop) = spawn_router(&argv).await;
+    assert_eq!(health(&channel, "").await, ServingStatus::NotServing);
+    assert_eq!(
+        health(&channel, "tokenmesh.v1.Inference").await,
+        ServingStatus::NotServing
+    );
+    let mut client = InferenceClient::new(channel);
+    let refused = client.generate(request(4)).await.unwrap_err();
+    assert_eq!(refused.code(), Code::Unavailable, "{refused:?}");
+    assert!(
+        refused.message().contains("not read its etcd snapshot"),
+        "{}",
+        refused.message()
+    );
+    let listed = client.list_models(ListModelsRequest {}).await.unwrap_err();
+    assert_eq!(listed.code(), Code::Unavailable, "{listed:?}");
+}
+
+#[tokio::test]
+async fn with_a_static_file_the_router_serves_at_once_and_unknown_models_are_not_found() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("static.toml");
+    std::fs::write(
+        &path,
+        "[[workers]]\nid = \"w\"\nmodel = \"m\"\nversion = \"v1\"\naddr = \"http://127.0.0.1:9\"\n",
+    )
+    .unwrap();
+    let argv = [
+        "tokenmesh-router".into(),
+        "--insecure".into(),
+        "--static".into(),
+        path.display().to_string(),
+    ];
+    let (channel, _stop) = spawn_router(&argv).await;
+    assert_eq!(health(&channel, "").await, ServingStatus::Serving);
+    assert_eq!(
+        health(&channel, "tokenmesh.v1.Inference").await,
+        ServingStatus::Serving
+    );
+    let mut client = InferenceClient::new(channel);
+    let unknown = client
+        .generate(GenerateRequest {
+            model: "nope".into(),
+            ..request(4)
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(unknown.code(), Code::NotFound, "{unknown:?}");
+    assert!(
+        unknown.message().contains("available: m"),
+        "{}",
+        unknown.message()
+    );
 }

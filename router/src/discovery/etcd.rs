@@ -9,6 +9,7 @@ use std::sync::Arc;
 use tokenmesh_certs::tls::TlsPaths;
 use tokenmesh_proto::keys::Keys;
 use tokenmesh_proto::records::{PolicyRecord, WorkerRecord};
+use tokenmesh_runtime::backoff::Retries;
 use tokenmesh_runtime::etcd;
 use tokenmesh_runtime::Backoff;
 
@@ -21,25 +22,26 @@ pub async fn run(
 ) {
     let mut backoff = Backoff::RECONNECT.retries();
     loop {
-        match sync_and_watch(&endpoints, &keys, &registry, tls.as_ref()).await {
-            Ok(()) => backoff.reset(),
-            Err(e) => {
-                tracing::warn!(error = %e, "etcd discovery interrupted; keeping the last known state");
-            }
-        }
+        // It returns only when the connection or a watch fails.
+        let Err(e) = sync_and_watch(&endpoints, &keys, &registry, tls.as_ref(), &mut backoff).await;
+        tracing::warn!(error = %e, "etcd discovery interrupted; keeping the last known state");
         tokio::time::sleep(backoff.next_delay()).await;
     }
 }
 
-/// Reads the snapshot, then follows the watches until one fails.
+/// Reads the snapshot, then follows the watches until one fails (the only
+/// way it returns); a read snapshot resets `backoff`, so a later outage
+/// starts again from short waits.
 async fn sync_and_watch(
     endpoints: &[String],
     keys: &Keys,
     registry: &Registry,
     tls: Option<&TlsPaths>,
-) -> Result<(), etcd_client::Error> {
+    backoff: &mut Retries,
+) -> Result<std::convert::Infallible, etcd_client::Error> {
     let mut client = etcd::connect(endpoints, tls, etcd::Use::Streams).await?;
     let revision = load_snapshot(&mut client, keys, registry).await?;
+    backoff.reset();
     let watch_from = || {
         WatchOptions::new()
             .with_prefix()

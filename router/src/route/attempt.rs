@@ -95,11 +95,7 @@ impl Attempts {
     pub async fn open(&mut self, emitted: &[u32], route: &Span) -> Result<Upstream, RouterError> {
         let mut last: Option<Status> = None;
         for retry in 0..self.limits.max_attempts.max(1) {
-            let candidates = self
-                .registry
-                .model(&self.request.model)
-                .and_then(|m| m.versions.get(&self.version).cloned())
-                .unwrap_or_default();
+            let candidates = self.registry.endpoints(&self.request.model, &self.version);
             route.record("candidates", describe(&candidates).as_str());
             let Some(ep) = p2c::pick(&candidates, &self.tried, &mut rand::rng()) else {
                 break;

@@ -131,7 +131,9 @@ impl Router {
     pub async fn route(&self, incoming: Incoming, span: &Span) -> Result<Routed, RouterError> {
         // An unknown model is the caller's mistake, refused before it takes
         // an admission slot.
-        self.known(&incoming.request.model)?;
+        if !self.registry.has_model(&incoming.request.model) {
+            return Err(self.unknown(&incoming.request.model));
+        }
         let route = route_span(span);
         route.record("pin", incoming.pin.as_deref().unwrap_or(""));
         route.record("sticky", incoming.session.is_some());
@@ -186,20 +188,34 @@ impl Router {
         })
     }
 
+    /// UNAVAILABLE until discovery has delivered its first view: before it,
+    /// what the registry lacks proves nothing.
+    pub fn ensure_loaded(&self) -> Result<(), RouterError> {
+        if self.registry.is_loaded() {
+            Ok(())
+        } else {
+            Err(RouterError::NotLoaded)
+        }
+    }
+
     /// The model's versions and policy; NOT_FOUND for a model no worker or
     /// policy knows, once discovery has loaded (UNAVAILABLE before: a router
     /// that has just started must not tell a client a real model is missing).
     fn known(&self, model: &str) -> Result<ModelEntry, RouterError> {
-        if let Some(entry) = self.registry.model(model) {
-            return Ok(entry);
+        self.registry
+            .model(model)
+            .ok_or_else(|| self.unknown(model))
+    }
+
+    /// Why `model`, which the registry lacks, cannot be served.
+    fn unknown(&self, model: &str) -> RouterError {
+        match self.ensure_loaded() {
+            Err(not_loaded) => not_loaded,
+            Ok(()) => RouterError::UnknownModel {
+                asked: model.into(),
+                available: self.registry.models().keys().cloned().collect(),
+            },
         }
-        if !self.registry.is_loaded() {
-            return Err(RouterError::NotLoaded("etcd snapshot not read yet"));
-        }
-        Err(RouterError::UnknownModel {
-            asked: model.into(),
-            available: self.registry.models().keys().cloned().collect(),
-        })
     }
 
     /// Step 2: the version, recorded on the `route` and `Generate` spans.

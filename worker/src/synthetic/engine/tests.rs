@@ -214,13 +214,17 @@ async fn stops_on_a_stop_string_without_sending_it() {
 async fn a_cancelled_sequence_frees_its_slot() {
     let engine = engine(config(100.0), 1, 4);
     let stats = engine.stats().clone();
-    let (a, rx_a) = request("a", "x", 1000, &[]);
+    let (a, mut rx_a) = request("a", "x", 1000, &[]);
     let (b, mut rx_b) = request("b", "x", 3, &[]);
     engine.submit(a).unwrap();
     engine.submit(b).unwrap();
-    tokio::time::sleep(Duration::from_millis(25)).await;
+    // a holds the only slot once it has a token.
+    while !matches!(rx_a.recv().await, Some(Event::Token { .. })) {}
     drop(rx_a); // the client of a goes away
-    let (tokens, end) = drain(&mut rx_b).await;
+                // Had a kept its slot, b would wait for a's 1,000 tokens (10 s).
+    let (tokens, end) = tokio::time::timeout(Duration::from_secs(2), drain(&mut rx_b))
+        .await
+        .expect("b got the slot a's client left");
     assert_eq!(tokens.len(), 3);
     assert!(matches!(end, Event::Finished { .. }));
     until("no sequence", || stats.active.load(Ordering::SeqCst) == 0).await;
