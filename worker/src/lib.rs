@@ -30,7 +30,7 @@ use tokenmesh_certs::tls::{MeshTls, Role};
 use tokenmesh_proto::records::WorkerRecord;
 use tokenmesh_proto::v1::worker_server::WorkerServer;
 use tokenmesh_proto::validate::check_name;
-use tokenmesh_runtime::Server;
+use tokenmesh_runtime::{edge, Server};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
@@ -277,7 +277,12 @@ pub async fn run(
         let _ = stop_rx.await;
     };
     server
-        .serve(WorkerServer::new(service), listener, ready, stopped)
+        .serve(
+            WorkerServer::new(service).max_decoding_message_size(edge::MAX_WORKER_REQUEST_BYTES),
+            listener,
+            ready,
+            stopped,
+        )
         .await?;
     drainer.abort();
     tracing::info!("worker stopped");
