@@ -20,7 +20,7 @@ use std::future::Future;
 use std::time::Duration;
 use tokenmesh_certs::tls::Role;
 use tokenmesh_proto::v1::control_server::ControlServer;
-use tokenmesh_runtime::Server;
+use tokenmesh_runtime::{edge, Server};
 use tokio::net::TcpListener;
 
 /// How often snapshots are sampled for status rates and the stale-read cache.
@@ -98,7 +98,7 @@ pub async fn run(
         cfg.server.tls_reload(),
     )
     .serve(
-        ControlServer::new(service),
+        ControlServer::new(service).max_decoding_message_size(edge::MAX_REQUEST_BYTES),
         listener,
         format!("tokenmesh-control {id} ready on {bound}"),
         shutdown,

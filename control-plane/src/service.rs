@@ -14,6 +14,7 @@ use std::time::Duration;
 use tokenmesh_certs::tls::{Identity, Role};
 use tokenmesh_proto::records::{CanaryPolicy, PolicyRecord};
 use tokenmesh_proto::v1::{self, control_server::Control};
+use tokenmesh_proto::validate::{check_name, check_reason};
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
@@ -64,7 +65,23 @@ fn require_model(model: &str) -> Result<(), ControlError> {
     if model.is_empty() {
         return Err(ControlError::Invalid("model: required".into()));
     }
-    Ok(())
+    name("model", model)
+}
+
+/// A model, version or worker name from a request: what it may be is what a
+/// worker may register (proto's `check_name`), so a refusal never echoes a
+/// long string and nothing else reaches a key, a log line or a record.
+fn name(field: &'static str, value: &str) -> Result<(), ControlError> {
+    check_name(field, value).map_err(|e| ControlError::Invalid(e.to_string()))
+}
+
+/// An optional model filter: empty, or a name.
+fn model_filter(model: &str) -> Result<(), ControlError> {
+    if model.is_empty() {
+        Ok(())
+    } else {
+        name("model", model)
+    }
 }
 
 fn registered_version(snap: &Snapshot, model: &str, version: &str) -> Result<(), ControlError> {
@@ -107,6 +124,10 @@ fn policy_from_proto(
         return Err(ControlError::Invalid(
             "policy.stable_version: required".into(),
         ));
+    }
+    name("policy.stable_version", &p.stable_version)?;
+    if !p.canary_version.is_empty() {
+        name("policy.canary_version", &p.canary_version)?;
     }
     if p.canary_weight > 100 {
         return Err(ControlError::Invalid(format!(
@@ -223,6 +244,7 @@ impl Control for ControlService {
         if r.canary_version.is_empty() {
             return Err(ControlError::Invalid("canary_version: required".into()).into());
         }
+        name("canary_version", &r.canary_version)?;
         let snap = self.read_for_write().await?;
         let policy = startable(&snap, &r)?;
         let baseline = snap.counters(&r.model);
@@ -351,6 +373,7 @@ impl Control for ControlService {
         req: Request<v1::ListWorkersRequest>,
     ) -> Result<Response<v1::ListWorkersResponse>, Status> {
         let model = req.into_inner().model;
+        model_filter(&model)?;
         let (snap, fresh) = self.read().await?;
         if !model.is_empty() && !snap.knows_model(&model) {
             return Err(ControlError::UnknownModel(model).into());
@@ -370,6 +393,9 @@ impl Control for ControlService {
         if r.worker_id.is_empty() {
             return Err(ControlError::Invalid("worker_id: required".into()).into());
         }
+        name("worker_id", &r.worker_id)?;
+        // The reason is stored in etcd and logged.
+        check_reason("reason", &r.reason).map_err(|e| ControlError::Invalid(e.to_string()))?;
         let snap = self.read_for_write().await?;
         let Some(mut info) = views::worker_info(&snap, &r.worker_id) else {
             return Err(ControlError::UnknownWorker(r.worker_id).into());
@@ -395,6 +421,7 @@ impl Control for ControlService {
         req: Request<v1::MeshStatusRequest>,
     ) -> Result<Response<v1::MeshStatusResponse>, Status> {
         let model = req.into_inner().model;
+        model_filter(&model)?;
         let (snap, fresh) = self.read().await?;
         if !model.is_empty() && !snap.knows_model(&model) {
             return Err(ControlError::UnknownModel(model).into());

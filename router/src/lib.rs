@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokenmesh_certs::tls::Role;
 use tokenmesh_proto::v1::inference_server::InferenceServer;
-use tokenmesh_runtime::Server;
+use tokenmesh_runtime::{edge, Server};
 use tokio::net::TcpListener;
 
 /// Why the router could not start or stopped abnormally.
@@ -82,7 +82,7 @@ pub async fn run(
             .max_connection_age_grace(Duration::from_secs(cfg.max_connection_age_grace_s))
     })
     .serve(
-        InferenceServer::new(service),
+        InferenceServer::new(service).max_decoding_message_size(edge::MAX_REQUEST_BYTES),
         listener,
         format!("tokenmesh-router ready on {bound}"),
         shutdown,

@@ -17,7 +17,7 @@ use tokenmesh_proto::v1::{
     GenerateRequest, GenerateResponse, ListModelsRequest, ListModelsResponse, ModelInfo,
     VersionInfo,
 };
-use tokenmesh_proto::validate::check_request;
+use tokenmesh_proto::validate::{check_id, check_name, check_request, MAX_NAME_BYTES};
 use tokenmesh_runtime::telemetry;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::metadata::MetadataMap;
@@ -70,17 +70,22 @@ fn incoming(
     let md = request.metadata().clone();
     let mut req = request.into_inner();
     check_request(&req)?;
+    // Only checked strings reach the span (and the log lines under it).
+    span.record("model", req.model.as_str());
     if req.request_id.is_empty() {
         req.request_id = uuid::Uuid::new_v4().to_string();
     }
     span.record("request_id", req.request_id.as_str());
-    let pin = req
-        .version
-        .clone()
-        .filter(|v| !v.is_empty())
-        .or_else(|| header(&md, headers::VERSION).map(str::to_string));
+    let pin = match req.version.clone().filter(|v| !v.is_empty()) {
+        Some(v) => Some(v),
+        None => header(&md, headers::VERSION)
+            .map(|v| check_name(headers::VERSION, v).map(|()| v.to_string()))
+            .transpose()?,
+    };
     let session = if req.session_id.is_empty() {
-        header(&md, headers::SESSION).map(str::to_string)
+        header(&md, headers::SESSION)
+            .map(|s| check_id(headers::SESSION, s).map(|()| s.to_string()))
+            .transpose()?
     } else {
         Some(req.session_id.clone())
     };
@@ -134,7 +139,7 @@ impl Inference for InferenceService {
             otel.name = "Generate",
             otel.kind = "server",
             otel.status_code = tracing::field::Empty,
-            model = %request.get_ref().model,
+            model = tracing::field::Empty,
             request_id = tracing::field::Empty,
             identity = tracing::field::Empty,
             version = tracing::field::Empty,
@@ -144,7 +149,11 @@ impl Inference for InferenceService {
             error = tracing::field::Empty,
         );
         telemetry::adopt_parent(&span, request.metadata());
-        let model = request.get_ref().model.clone();
+        // Kept for the refusal's metric label, if it can be one at all.
+        let asked = Some(&request.get_ref().model)
+            .filter(|m| m.len() <= MAX_NAME_BYTES)
+            .cloned()
+            .unwrap_or_default();
         match self
             .start(request, span.clone())
             .instrument(span.clone())
@@ -153,6 +162,13 @@ impl Inference for InferenceService {
             Ok(r) => Ok(r),
             Err(e) => {
                 let status = e.into_status();
+                // A metric label is a model the registry knows, never the
+                // client's string: every unknown name would be a new series.
+                let model = if self.router.registry().has_model(&asked) {
+                    asked
+                } else {
+                    String::new()
+                };
                 span.record("otel.status_code", "ERROR");
                 span.record("error", status.message());
                 tracing::info!(parent: &span, code = ?status.code(), error = %status.message(), "refused");

@@ -1,6 +1,7 @@
 //! What every tokenmesh server shares, so each process crate holds only its
 //! own logic: start-up ([`serve`]: health, reflection, the authorization
-//! layer, TLS or plaintext, graceful shutdown), the common flags
+//! layer, TLS or plaintext, graceful shutdown; [`edge`]: client statuses for
+//! requests that do not decode or are too large), the common flags
 //! ([`args::ServerArgs`]), etcd connections and leases ([`etcd`],
 //! [`lease`]), backoff with jitter ([`backoff`]) and telemetry set-up
 //! ([`telemetry`]). No business logic lives here.
@@ -8,6 +9,7 @@
 
 pub mod args;
 pub mod backoff;
+pub mod edge;
 pub mod etcd;
 pub mod lease;
 pub mod reflection;

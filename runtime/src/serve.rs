@@ -94,7 +94,11 @@ impl Server {
     }
 
     /// Serves `service` (reported SERVING on grpc.health), health and
-    /// reflection on `listener` until `shutdown` resolves. Prints `ready` and
+    /// reflection on `listener` until `shutdown` resolves. `service` comes
+    /// with its request-size limit set ([`crate::edge::MAX_REQUEST_BYTES`],
+    /// a worker's [`crate::edge::MAX_WORKER_REQUEST_BYTES`]); health and
+    /// reflection get the former, and [`crate::edge::layer`] turns refusals
+    /// of undecodable or oversize requests into client statuses. Prints `ready` and
     /// the transport on stdout once the listener accepts, the line launchers
     /// and operators wait for.
     pub async fn serve<S>(
@@ -137,14 +141,17 @@ impl Server {
             }
         }
         let (reflection_v1, reflection_v1alpha) = crate::reflection::reflection();
+        let limit = crate::edge::MAX_REQUEST_BYTES;
         let routes = self
             .builder
             .layer(AuthLayer::new(self.name, self.admits, self.tls.is_some()))
-            .add_service(HealthServer::new(HealthService::from_health_reporter(
-                self.health.clone(),
-            )))
-            .add_service(reflection_v1)
-            .add_service(reflection_v1alpha)
+            .layer(crate::edge::layer())
+            .add_service(
+                HealthServer::new(HealthService::from_health_reporter(self.health.clone()))
+                    .max_decoding_message_size(limit),
+            )
+            .add_service(reflection_v1.max_decoding_message_size(limit))
+            .add_service(reflection_v1alpha.max_decoding_message_size(limit))
             .add_service(service);
         match self.tls {
             Some(tls) => {

@@ -13,6 +13,7 @@ pub mod metrics;
 pub mod model;
 pub mod pki;
 pub mod process;
+pub mod raw;
 
 pub use clients::{generate_client, grpcurl, grpcurl_output};
 pub use etcd::Etcd;
@@ -25,3 +26,4 @@ pub use metrics::{scrape, scrape_text, series_names};
 pub use model::{model_path, MODEL};
 pub use pki::{channel, Creds, Pki};
 pub use process::{bin, bin_dir, eventually, free_port, Proc};
+pub use raw::{raw_call, RawCodec};

@@ -64,7 +64,9 @@ pub struct WorkerConfig {
     pub source: crate::model_cache::ModelSource,
 
     /// Name the model is served under (default: from the GGUF metadata;
-    /// `synthetic` for the synthetic engine).
+    /// `synthetic` for the synthetic engine). Like --model-version and
+    /// --worker-id, a segment of the worker's etcd key: 1-128 bytes of ASCII
+    /// letters, digits and . _ - : @ +.
     #[arg(long, env = "TOKENMESH_MODEL_NAME")]
     pub model_name: Option<String>,
 

@@ -29,7 +29,8 @@ use std::time::{Duration, Instant};
 use tokenmesh_certs::tls::{MeshTls, Role};
 use tokenmesh_proto::records::WorkerRecord;
 use tokenmesh_proto::v1::worker_server::WorkerServer;
-use tokenmesh_runtime::Server;
+use tokenmesh_proto::validate::check_name;
+use tokenmesh_runtime::{edge, Server};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
@@ -54,6 +55,10 @@ pub enum RunError {
     Server(#[from] tokenmesh_runtime::ServeError),
     #[error("model loading was interrupted: {0}")]
     Join(#[from] tokio::task::JoinError),
+    /// A name that would be a segment of the worker's etcd key and a metric
+    /// label is not a valid one; the field is the flag.
+    #[error(transparent)]
+    Name(#[from] tokenmesh_proto::validate::InvalidField),
 }
 
 /// A running engine and what the worker reports about it.
@@ -212,7 +217,19 @@ pub async fn run(
     // fast with its name in the error.
     let tls = cfg.server.transport(Role::Worker, "")?;
     let worker_id = worker_id(&cfg, tls.as_ref())?;
+    // The names are segments of `workers/{model}/{version}/{worker_id}`:
+    // checked before the model loads, the model's own name once it has.
+    check_name("--worker-id", &worker_id)?;
+    check_name("--model-version", &cfg.model_version)?;
+    if let Some(name) = &cfg.model_name {
+        check_name("--model-name", name)?;
+    }
     let started = start_engine(&cfg, &worker_id).await?;
+    check_name("--model-name", &started.model_name).map_err(|mut e| {
+        e.reason
+            .push_str(" (the name was taken from the model file; give --model-name)");
+        e
+    })?;
     let identity = WorkerIdentity {
         worker_id,
         model_name: started.model_name,
@@ -260,7 +277,12 @@ pub async fn run(
         let _ = stop_rx.await;
     };
     server
-        .serve(WorkerServer::new(service), listener, ready, stopped)
+        .serve(
+            WorkerServer::new(service).max_decoding_message_size(edge::MAX_WORKER_REQUEST_BYTES),
+            listener,
+            ready,
+            stopped,
+        )
         .await?;
     drainer.abort();
     tracing::info!("worker stopped");
