@@ -4,8 +4,7 @@ use std::io::Write;
 use std::path::PathBuf;
 use tokenmesh_proto::v1::inference_client::InferenceClient;
 use tokenmesh_proto::v1::{
-    generate_response::Event, ChatMessage, FinishReason, GenerateRequest, ListModelsRequest,
-    ListModelsResponse,
+    generate_response::Event, ChatMessage, GenerateRequest, ListModelsRequest, ListModelsResponse,
 };
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
 
@@ -195,13 +194,7 @@ pub async fn generate(
             Some(Event::Finished(f)) => {
                 let usage = f.usage.unwrap_or_default();
                 let t = f.timings.unwrap_or_default();
-                let reason = FinishReason::try_from(f.finish_reason)
-                    .map(|r| {
-                        r.as_str_name()
-                            .trim_start_matches("FINISH_REASON_")
-                            .to_lowercase()
-                    })
-                    .unwrap_or_else(|_| "unknown".into());
+                let reason = crate::render::finish_reason(f.finish_reason);
                 return Ok(format!(
                     "[{reason}; {} prompt + {} completion tokens; worker {} ({version}); first token {:.0} ms, total {:.0} ms]",
                     usage.prompt_tokens, usage.completion_tokens, f.worker_id, t.time_to_first_token_ms, t.total_ms

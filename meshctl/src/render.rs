@@ -1,4 +1,5 @@
-//! Tables and JSON for the control commands, and the live rollout view.
+//! Tables and JSON for the control commands, the live rollout view, and the
+//! words `meshctl generate` ends a reply with.
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{json, Value};
 use std::fmt::Write;
@@ -18,6 +19,20 @@ fn freshness_note(f: &Option<v1::Freshness>) -> String {
 fn freshness_json(f: &Option<v1::Freshness>) -> Value {
     let f = f.clone().unwrap_or_default();
     json!({"stale": f.stale, "age_ms": f.age_ms, "reason": f.reason})
+}
+
+/// A `Finished.finish_reason` as `meshctl generate` prints it: `eos`,
+/// `stop`, `length`, `cancelled` (Worker.Abort) or `kv cache full` (the
+/// reply outgrew the worker's whole KV cache).
+pub fn finish_reason(reason: i32) -> String {
+    match v1::FinishReason::try_from(reason) {
+        Ok(v1::FinishReason::KvCacheFull) => "kv cache full".into(),
+        Ok(r) => r
+            .as_str_name()
+            .trim_start_matches("FINISH_REASON_")
+            .to_lowercase(),
+        Err(_) => format!("unknown finish reason {reason}"),
+    }
 }
 
 /// `meshctl status` as a table.
@@ -320,4 +335,20 @@ pub fn policy_json(r: &v1::PolicyResponse) -> Value {
         "revision": r.revision,
         "freshness": freshness_json(&r.freshness),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_finish_reason_has_its_words() {
+        let words = |r: v1::FinishReason| finish_reason(r as i32);
+        assert_eq!(words(v1::FinishReason::Eos), "eos");
+        assert_eq!(words(v1::FinishReason::Stop), "stop");
+        assert_eq!(words(v1::FinishReason::Length), "length");
+        assert_eq!(words(v1::FinishReason::Cancelled), "cancelled");
+        assert_eq!(words(v1::FinishReason::KvCacheFull), "kv cache full");
+        assert_eq!(finish_reason(99), "unknown finish reason 99");
+    }
 }

@@ -27,4 +27,7 @@ pub mod headers {
     pub const WORKER: &str = "x-tokenmesh-worker";
     /// Request: sticky-session key.
     pub const SESSION: &str = "x-tokenmesh-session";
+    /// Worker response: the attempt id naming the stream for `Worker.Abort`
+    /// (the caller's own, or the one the worker picked for it).
+    pub const ATTEMPT: &str = "x-tokenmesh-attempt";
 }

@@ -16,7 +16,10 @@ use std::time::Duration;
 use tokenmesh_proto::codes::classify;
 use tokenmesh_proto::v1::generate_response::Event;
 use tokenmesh_proto::v1::inference_client::InferenceClient;
-use tokenmesh_proto::v1::{Finished, GenerateRequest, ListModelsRequest};
+use tokenmesh_proto::v1::worker_client::WorkerClient;
+use tokenmesh_proto::v1::{
+    AbortRequest, FinishReason, Finished, GenerateRequest, ListModelsRequest,
+};
 use tokenmesh_router::config::RouterConfig;
 use tokenmesh_worker::config::WorkerConfig;
 use tonic::transport::Channel;
@@ -47,24 +50,32 @@ impl Worker {
     }
 
     fn of_version(id: &str, version: &str) -> Self {
+        Self::launch(id, version, Some(id), &[])
+    }
+
+    /// A worker the static file lists as `id`, started with `--worker-id
+    /// own_id` (none: it names itself) and the further `flags`.
+    fn launch(id: &str, version: &str, own_id: Option<&str>, flags: &[&str]) -> Self {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         listener.set_nonblocking(true).unwrap();
         let addr = listener.local_addr().unwrap();
-        let cfg = WorkerConfig::try_parse_from([
+        let mut argv = vec![
             "tokenmesh-worker",
             "--insecure",
             "--engine",
             "synthetic",
             "--synthetic-tokens-per-sec",
             "200",
-            "--worker-id",
-            id,
             "--model-name",
             MODEL,
             "--model-version",
             version,
-        ])
-        .unwrap();
+        ];
+        if let Some(own) = own_id {
+            argv.extend(["--worker-id", own]);
+        }
+        argv.extend_from_slice(flags);
+        let cfg = WorkerConfig::try_parse_from(argv).unwrap();
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .enable_all()
@@ -217,9 +228,13 @@ struct RouteSpan {
     fields: BTreeMap<String, String>,
 }
 
-/// Captures every `route` span's fields, whenever they were recorded.
+/// Captures every `route` span's fields, whenever they were recorded, and
+/// the fields each `worker.Generate` client span opens with.
 #[derive(Clone, Default)]
-struct Capture(Arc<Mutex<Vec<RouteSpan>>>);
+struct Capture {
+    routes: Arc<Mutex<Vec<RouteSpan>>>,
+    calls: Arc<Mutex<Vec<BTreeMap<String, String>>>>,
+}
 
 struct Fields(BTreeMap<String, String>);
 
@@ -234,6 +249,11 @@ impl Visit for Fields {
 
 impl<S: tracing::Subscriber + for<'a> LookupSpan<'a>> Layer<S> for Capture {
     fn on_new_span(&self, attrs: &Attributes<'_>, id: &Id, ctx: Context<'_, S>) {
+        if attrs.metadata().name() == "worker.Generate" {
+            let mut fields = Fields(BTreeMap::new());
+            attrs.record(&mut fields);
+            self.calls.lock().unwrap().push(fields.0);
+        }
         if attrs.metadata().name() == "route" {
             let mut fields = Fields(BTreeMap::new());
             attrs.record(&mut fields);
@@ -257,7 +277,7 @@ impl<S: tracing::Subscriber + for<'a> LookupSpan<'a>> Layer<S> for Capture {
                 .parent()
                 .map(|p| p.name().to_string())
                 .unwrap_or_default();
-            self.0.lock().unwrap().push(RouteSpan {
+            self.routes.lock().unwrap().push(RouteSpan {
                 parent,
                 fields: fields.0,
             });
@@ -274,7 +294,7 @@ impl Capture {
     /// The closed `route` spans, once at least `n` have closed.
     async fn routes(&self, n: usize) -> Vec<RouteSpan> {
         for _ in 0..200 {
-            let routes = self.0.lock().unwrap().clone();
+            let routes = self.routes.lock().unwrap().clone();
             if routes.len() >= n {
                 return routes;
             }
@@ -282,8 +302,17 @@ impl Capture {
         }
         panic!(
             "fewer than {n} route spans closed: {:?}",
-            self.0.lock().unwrap()
+            self.routes.lock().unwrap()
         );
+    }
+
+    /// The calls to workers so far: each one's worker and attempt id, in order.
+    fn calls(&self) -> Vec<(String, String)> {
+        let calls = self.calls.lock().unwrap();
+        calls
+            .iter()
+            .map(|f| (f["worker"].clone(), f["attempt_id"].clone()))
+            .collect()
     }
 }
 
@@ -449,6 +478,154 @@ async fn a_lost_stream_is_not_failed_over_past_the_retry_budget() {
     assert_eq!(status.code(), Code::Unavailable, "{status:?}");
     let want = format!("worker lost after {delivered} tokens were delivered and no other worker could continue: retry budget exhausted, not retrying");
     assert_eq!(status.message(), want);
+}
+
+/// A synthetic prompt of `n` tokens (one per word).
+fn words(n: usize, max_tokens: u32) -> GenerateRequest {
+    GenerateRequest {
+        prompt: "word ".repeat(n),
+        ..request(max_tokens)
+    }
+}
+
+#[tokio::test]
+async fn what_the_kv_cache_cannot_hold_is_refused_before_accepted_and_a_full_cache_says_so() {
+    let capture = Capture::default();
+    let _guard = capture.install();
+    // 1 MiB of synthetic KV cache holds 1,024 tokens, a 32nd of the context
+    // window: a prompt that fits the window but not the cache.
+    let small = ["--kv-budget-mib", "1"];
+    let workers = [
+        Worker::launch("w1", "v1", Some("w1"), &small),
+        Worker::launch("w2", "v1", Some("w2"), &small),
+    ];
+    let mut r = router(&[&workers[0], &workers[1]], &[]).await;
+
+    // Refused by the call itself, so no Accepted reached the client.
+    let refused = r.client.generate(words(1100, 16)).await.unwrap_err();
+    assert_eq!(refused.code(), Code::InvalidArgument, "{refused:?}");
+    let m = refused.message();
+    assert!(
+        m.contains("prompt is 1100 tokens") && m.contains("KV cache holds 1024 tokens"),
+        "{m}"
+    );
+    let refused = r.client.generate(words(4, 1025)).await.unwrap_err();
+    assert_eq!(refused.code(), Code::InvalidArgument, "{refused:?}");
+    assert_eq!(
+        refused.message(),
+        "max_tokens: 1025 is beyond the worker's KV cache of 1024 tokens"
+    );
+    // A client error: one worker asked, no other tried.
+    let routes = capture.routes(2).await;
+    assert!(
+        routes.iter().all(|r| r.fields["attempts"] == "1"),
+        "{routes:#?}"
+    );
+
+    // 1,000 prompt tokens leave room for 24 more in the cache, so 25
+    // completion tokens (the last is never stored), not the 200 asked for.
+    let out = collect(&mut r.client, words(1000, 200), |_, _| {})
+        .await
+        .unwrap();
+    let finished = out.finished.expect("the stream finishes");
+    assert_eq!(
+        finished.finish_reason(),
+        FinishReason::KvCacheFull,
+        "{finished:?}"
+    );
+    assert_eq!(finished.usage.unwrap().completion_tokens, 25);
+    assert_eq!(out.token_ids.len(), 25);
+    assert_eq!(finished.failovers, 0, "a normal finish, not a failure");
+}
+
+#[tokio::test]
+async fn an_aborted_stream_finishes_cancelled_on_its_worker_and_is_not_failed_over() {
+    let capture = Capture::default();
+    let _guard = capture.install();
+    let workers = [Worker::start("w1"), Worker::start("w2")];
+    let mut r = router(&[&workers[0], &workers[1]], &[]).await;
+    let req = GenerateRequest {
+        request_id: "chosen-by-the-client".into(),
+        // Two seconds at 200 tokens/s.
+        ..request(400)
+    };
+    let mut stream = r.client.generate(req).await.unwrap().into_inner();
+    let mut tokens = 0;
+    let mut accepted = None;
+    let mut finished = None;
+    let mut aborted = None;
+    while let Some(msg) = stream.message().await.unwrap() {
+        match msg.event {
+            Some(Event::Accepted(a)) => accepted = Some(a),
+            Some(Event::Delta(d)) => {
+                tokens += d.token_ids.len();
+                if tokens >= 5 && aborted.is_none() {
+                    // The stream's name on its worker, from the router's
+                    // client span of the call.
+                    let [(worker, attempt_id)] = capture.calls().try_into().unwrap();
+                    let w = workers.iter().find(|w| w.id == worker).unwrap();
+                    let mut wc = WorkerClient::connect(format!("http://{}", w.addr))
+                        .await
+                        .unwrap();
+                    let abort = AbortRequest {
+                        request_id: "chosen-by-the-client".into(),
+                        attempt_id,
+                    };
+                    let found = wc.abort(abort.clone()).await.unwrap().into_inner().found;
+                    assert!(found, "the stream runs on {worker}");
+                    aborted = Some((wc, abort));
+                }
+            }
+            Some(Event::Finished(f)) => finished = Some(f),
+            None => {}
+        }
+    }
+    let finished = finished.expect("the stream finishes");
+    assert_eq!(
+        finished.finish_reason(),
+        FinishReason::Cancelled,
+        "{finished:?}"
+    );
+    assert_eq!(finished.failovers, 0, "an abort is not a worker failure");
+    assert_eq!(finished.worker_id, accepted.unwrap().worker_id);
+    assert_eq!(finished.usage.unwrap().completion_tokens as usize, tokens);
+    assert!(tokens < 400, "stopped early: {tokens} tokens");
+    assert_eq!(capture.calls().len(), 1, "no other worker was called");
+    // Over now, so not found again.
+    let (mut wc, abort) = aborted.unwrap();
+    assert!(!wc.abort(abort).await.unwrap().into_inner().found);
+}
+
+#[tokio::test]
+async fn finished_names_the_worker_as_accepted_does_also_after_a_failover() {
+    // Listed in the static file as reg-1 and reg-2; each worker, started
+    // without --worker-id, calls itself worker-<random>.
+    let mut workers = [
+        Worker::launch("reg-1", "v1", None, &[]),
+        Worker::launch("reg-2", "v1", None, &[]),
+    ];
+    let mut r = router(&[&workers[0], &workers[1]], &[]).await;
+    let calm = collect(&mut r.client, request(3), |_, _| {}).await.unwrap();
+    assert!(calm.worker.starts_with("reg-"), "{}", calm.worker);
+    assert_eq!(calm.finished.unwrap().worker_id, calm.worker);
+
+    let mut victim = None;
+    let out = collect(&mut r.client, request(60), |worker, tokens| {
+        if tokens >= 10 && victim.is_none() {
+            workers.iter_mut().find(|w| w.id == worker).unwrap().kill();
+            victim = Some(worker.to_string());
+        }
+    })
+    .await
+    .unwrap();
+    let finished = out.finished.expect("the stream finishes");
+    assert_eq!(finished.failovers, 1);
+    let survivor = if victim.unwrap() == "reg-1" {
+        "reg-2"
+    } else {
+        "reg-1"
+    };
+    assert_eq!(finished.worker_id, survivor, "the worker that finished it");
 }
 
 #[tokio::test]

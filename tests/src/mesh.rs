@@ -15,7 +15,7 @@ use tonic::transport::Channel;
 
 /// A worker process.
 pub struct WorkerProc {
-    /// Its `--worker-id`.
+    /// Its `--worker-id` (or, without the flag, its name in a static file).
     pub id: String,
     /// `http://127.0.0.1:PORT` of the Worker API.
     pub addr: String,
@@ -41,6 +41,9 @@ pub struct WorkerOpts {
     /// Serve mutual TLS from this `--tls-dir` instead of `--insecure`; the
     /// harness then probes with `probe` (a router certificate).
     pub tls: Option<(PathBuf, Creds)>,
+    /// Pass `--worker-id id`; false: the worker names itself (`id` is then
+    /// only the name the harness and a static file give it).
+    pub pass_worker_id: bool,
 }
 
 impl WorkerOpts {
@@ -73,6 +76,7 @@ impl WorkerOpts {
             extra: vec![],
             synthetic_tokens_per_sec: None,
             tls: None,
+            pass_worker_id: true,
         }
     }
 }
@@ -88,9 +92,10 @@ impl WorkerProc {
             format!("127.0.0.1:{port}"),
             "--model-version".into(),
             opts.version.clone(),
-            "--worker-id".into(),
-            opts.id.clone(),
         ]);
+        if opts.pass_worker_id {
+            args.extend(["--worker-id".into(), opts.id.clone()]);
+        }
         match opts.synthetic_tokens_per_sec {
             Some(rate) => args.extend([
                 "--engine".into(),

@@ -157,7 +157,7 @@ async fn stay_drained_keeps_the_worker_up_refusing_work_even_when_the_key_came_f
         .clone()
         .generate(WorkerGenerateRequest {
             request: Some(words(2)),
-            emitted_token_ids: vec![],
+            ..Default::default()
         })
         .await
     else {

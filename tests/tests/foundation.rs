@@ -254,7 +254,9 @@ async fn bad_input_gets_precise_statuses() {
                 ..ok.clone()
             },
             Code::InvalidArgument,
-            &["max_tokens", "context window"],
+            // The default 256 MiB of KV cache hold 364 blocks of 16 tokens,
+            // fewer than the context window's 8,192.
+            &["max_tokens", "KV cache", "5824"],
         ),
         (
             GenerateRequest {

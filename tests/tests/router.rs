@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 use tokenmesh_proto::v1::generate_response::Event;
-use tokenmesh_proto::v1::{Arm, GenerateRequest};
+use tokenmesh_proto::v1::{Arm, FinishReason, GenerateRequest, StatusRequest};
 use tokenmesh_tests::*;
 use tonic::Code;
 
@@ -409,4 +409,86 @@ async fn deadline_propagates_and_frees_the_sequence() {
         wait_idle(&w, Duration::from_secs(2)).await,
         "the sequence was not freed"
     );
+}
+
+/// One request, one name (issue 18): a plaintext worker started without
+/// `--worker-id` calls itself `worker-<random>`, while the static file, and
+/// so the router, knows it as `w-static`; Accepted and Finished both say
+/// `w-static`.
+#[tokio::test(flavor = "multi_thread")]
+async fn accepted_and_finished_name_a_static_worker_alike() {
+    let dir = tempfile::tempdir().unwrap();
+    let opts = WorkerOpts {
+        pass_worker_id: false,
+        synthetic_tokens_per_sec: Some(200.0),
+        extra: vec!["--model-name".into(), MODEL.into()],
+        ..WorkerOpts::new("w-static")
+    };
+    let w = WorkerProc::start(opts, dir.path()).await.unwrap();
+    let own = w.client().await.status(StatusRequest {}).await.unwrap();
+    let own = own.into_inner().worker_id;
+    assert!(own.starts_with("worker-"), "{own}");
+    let router = static_router(dir.path(), &[&w], &[]).await;
+    let mut client = router.client().await;
+    let out = collect(&mut client, counting(3)).await.unwrap();
+    assert_eq!(out.accepted.unwrap().worker_id, "w-static");
+    assert_eq!(out.finished.unwrap().worker_id, "w-static");
+}
+
+/// KV cache limits (issue 18), with the real model: 4 MiB of KV cache hold
+/// 5 blocks of 16 tokens of SmolLM2-135M, 80 tokens, in its context window of
+/// 8,192. What can never fit is INVALID_ARGUMENT before Accepted, naming the
+/// numbers; a reply that outgrows the cache ends as KV_CACHE_FULL, which
+/// meshctl prints.
+#[tokio::test(flavor = "multi_thread")]
+async fn kv_cache_limits_are_refused_before_accepted_and_a_full_cache_is_a_finish_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let w = real_worker("w-small-kv", &["--kv-budget-mib", "4"], dir.path()).await;
+    let status = w.client().await.status(StatusRequest {}).await.unwrap();
+    assert_eq!(status.into_inner().kv_blocks_total, 5);
+    let router = static_router(dir.path(), &[&w], &[]).await;
+    let mut client = router.client().await;
+
+    let long = prompt_request(&"one two three four five ".repeat(40), 16);
+    let refused = client.generate(long).await.unwrap_err();
+    assert_eq!(refused.code(), Code::InvalidArgument, "{refused:?}");
+    let m = refused.message();
+    assert!(
+        m.starts_with("prompt is ") && m.contains("KV cache holds 80 tokens"),
+        "{m}"
+    );
+    let refused = client.generate(counting(8192)).await.unwrap_err();
+    assert_eq!(refused.code(), Code::InvalidArgument, "{refused:?}");
+    assert_eq!(
+        refused.message(),
+        "max_tokens: 8192 is beyond the worker's KV cache of 80 tokens"
+    );
+
+    // 80 tokens may be asked for, but with the prompt they outgrow the
+    // cache; the last token is never stored: 80 - prompt + 1 of them come.
+    let out = collect(&mut client, counting(80)).await.unwrap();
+    let finished = out.finished.unwrap();
+    let usage = finished.usage.unwrap();
+    assert_eq!(finished.finish_reason(), FinishReason::KvCacheFull);
+    assert_eq!(usage.completion_tokens, 81 - usage.prompt_tokens);
+    assert_eq!(out.token_ids.len() as u32, usage.completion_tokens);
+    eprintln!(
+        "kv cache full after {} prompt + {} completion tokens",
+        usage.prompt_tokens, usage.completion_tokens
+    );
+
+    let printed = std::process::Command::new(bin("meshctl"))
+        .args(["generate", "--insecure", "--router", &router.addr])
+        .args(["--prompt", "1, 2, 3, 4, 5,", "--max-tokens", "80"])
+        .args(["--temperature", "0"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&printed.stderr);
+    assert!(printed.status.success(), "{stderr}");
+    // The reply on stdout, the summary line after it on stderr.
+    let summary = format!(
+        "[kv cache full; {} prompt + {} completion tokens; worker w-small-kv (v1);",
+        usage.prompt_tokens, usage.completion_tokens
+    );
+    assert!(stderr.contains(&summary), "{stderr}");
 }

@@ -130,7 +130,10 @@ pub struct WorkerConfig {
     #[arg(long, env = "TOKENMESH_STEP_LATENCY_TARGET_MS", default_value_t = 0)]
     pub step_latency_target_ms: u64,
 
-    /// Memory for the KV cache pool, in MiB (allocated at start-up).
+    /// Memory for the KV cache pool, in MiB (allocated at start-up). It is
+    /// also the most one sequence can hold: longer prompts and larger
+    /// max_tokens are refused, and a reply that outgrows it ends as
+    /// KV_CACHE_FULL (the default model: 5,824 tokens at 256 MiB).
     #[arg(long, env = "TOKENMESH_KV_BUDGET_MIB", default_value_t = 256)]
     pub kv_budget_mib: usize,
 

@@ -16,8 +16,28 @@ pub enum WorkerError {
     Tokenize(String),
     #[error("prompt is {prompt} tokens but the context window is {context}; shorten it")]
     PromptTooLong { prompt: usize, context: usize },
-    #[error("max_tokens: {max_tokens} is beyond the context window of {context} tokens")]
-    MaxTokensTooLarge { max_tokens: usize, context: usize },
+    #[error(
+        "prompt is {prompt} tokens but this worker's KV cache holds {capacity} tokens per \
+         sequence; shorten it (or serve the model from workers with a larger --kv-budget-mib)"
+    )]
+    PromptExceedsKvCache { prompt: usize, capacity: usize },
+    /// `limit` is the smaller of the context window and the KV cache, which
+    /// `bound` names.
+    #[error("max_tokens: {max_tokens} is beyond {bound} of {limit} tokens")]
+    MaxTokensTooLarge {
+        max_tokens: usize,
+        limit: usize,
+        bound: &'static str,
+    },
+    /// A Generate named a stream this worker is still streaming.
+    #[error(
+        "attempt_id: request_id {request_id:?} with attempt_id {attempt_id:?} is already \
+         streaming on this worker; give each call its own attempt_id"
+    )]
+    StreamExists {
+        request_id: String,
+        attempt_id: String,
+    },
     #[error("emitted_token_ids: {0}")]
     BadContinuation(String),
     #[error(transparent)]
@@ -34,9 +54,11 @@ impl WorkerError {
             | WorkerError::Template(_)
             | WorkerError::Tokenize(_)
             | WorkerError::PromptTooLong { .. }
+            | WorkerError::PromptExceedsKvCache { .. }
             | WorkerError::MaxTokensTooLarge { .. }
             | WorkerError::BadContinuation(_) => Code::InvalidArgument,
             WorkerError::UnknownModel { .. } => Code::NotFound,
+            WorkerError::StreamExists { .. } => Code::AlreadyExists,
             WorkerError::Submit(SubmitError::QueueFull { .. }) => Code::ResourceExhausted,
             WorkerError::Submit(_) => Code::Unavailable,
             WorkerError::Engine(_) => Code::Internal,

@@ -17,6 +17,7 @@ mod reply;
 pub mod request;
 pub mod scheduler;
 pub mod server;
+pub mod streams;
 pub mod synthetic;
 
 use config::{EngineKind, WorkerConfig};

@@ -4,6 +4,7 @@
 use crate::errors::WorkerError;
 use crate::scheduler::{Event, Finish};
 use crate::server::{record_outcome, Labels, WorkerIdentity};
+use crate::streams::LiveStream;
 use std::time::{Duration, Instant};
 use tokenmesh_proto::v1::{
     generate_response, Accepted, Arm, Delta, FinishReason, Finished, GenerateResponse, Timings,
@@ -26,6 +27,8 @@ pub(crate) struct ReplyTo {
     /// When the request arrived.
     pub started: Instant,
     pub span: tracing::Span,
+    /// Keeps the stream's name taken (for Abort) until the reply ends.
+    pub _live: LiveStream,
 }
 
 /// Converts one sequence's engine events into numbered wire messages.
@@ -185,6 +188,8 @@ impl Relay {
                 Finish::Stop => FinishReason::Stop,
                 Finish::Length => FinishReason::Length,
                 Finish::Eos => FinishReason::Eos,
+                Finish::Cancelled => FinishReason::Cancelled,
+                Finish::KvCacheFull => FinishReason::KvCacheFull,
             } as i32,
             stop: stop.unwrap_or_default(),
             usage: Some(self.usage()),

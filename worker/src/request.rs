@@ -56,6 +56,19 @@ impl PromptModel for LoadedModel {
     }
 }
 
+/// What this worker serves, and how much of it one sequence may use.
+#[derive(Clone, Debug)]
+pub struct Serving {
+    /// The model name requests must ask for.
+    pub model_name: String,
+    /// `max_tokens` of a request that leaves it unset.
+    pub default_max_tokens: usize,
+    /// Tokens of context one sequence can hold in the engine's KV cache
+    /// pool: the whole pool (`EngineHandle::kv_capacity`). With the context
+    /// window it bounds what a request may ask for.
+    pub kv_capacity: usize,
+}
+
 /// A request ready for the engine.
 #[derive(Debug)]
 pub struct Prepared {
@@ -70,11 +83,12 @@ pub struct Prepared {
     pub priority: crate::scheduler::Priority,
 }
 
-/// Validates `req` against the model and tokenizes it.
+/// Validates `req` against the model and the KV cache, and tokenizes it.
+/// A prompt neither holds is refused here, before the router has told its
+/// client the request was accepted.
 pub fn prepare(
     model: &dyn PromptModel,
-    served_name: &str,
-    default_max_tokens: usize,
+    serving: &Serving,
     req: &WorkerGenerateRequest,
 ) -> Result<Prepared, WorkerError> {
     let g = req.request.as_ref().ok_or_else(|| {
@@ -84,19 +98,28 @@ pub fn prepare(
         })
     })?;
     check_request(g)?;
-    if g.model != served_name {
+    if g.model != serving.model_name {
         return Err(WorkerError::UnknownModel {
             asked: g.model.clone(),
-            served: served_name.to_string(),
+            served: serving.model_name.clone(),
         });
     }
     let context_len = model.context_length();
+    let kv_capacity = serving.kv_capacity;
     let mut context = model.encode_prompt(g)?;
     let prompt_tokens = context.len();
     if prompt_tokens >= context_len {
         return Err(WorkerError::PromptTooLong {
             prompt: prompt_tokens,
             context: context_len,
+        });
+    }
+    // As the engine's own check: the prompt and the first generated token
+    // must fit the pool.
+    if prompt_tokens >= kv_capacity {
+        return Err(WorkerError::PromptExceedsKvCache {
+            prompt: prompt_tokens,
+            capacity: kv_capacity,
         });
     }
     let vocab = model.vocab_size() as u32;
@@ -107,15 +130,21 @@ pub fn prepare(
     }
     context.extend_from_slice(&req.emitted_token_ids);
     let already_emitted = req.emitted_token_ids.len();
+    let (limit, bound) = if kv_capacity < context_len {
+        (kv_capacity, "the worker's KV cache")
+    } else {
+        (context_len, "the context window")
+    };
     let max_tokens = match g.max_tokens {
-        Some(m) if m as usize > context_len => {
+        Some(m) if m as usize > limit => {
             return Err(WorkerError::MaxTokensTooLarge {
                 max_tokens: m as usize,
-                context: context_len,
+                limit,
+                bound,
             })
         }
         Some(m) => m as usize,
-        None => default_max_tokens.min(context_len - prompt_tokens),
+        None => serving.default_max_tokens.min(context_len - prompt_tokens),
     };
     if context.len() >= context_len {
         return Err(WorkerError::BadContinuation(format!(
@@ -140,4 +169,79 @@ pub fn prepare(
         logprobs: g.logprobs,
         priority: crate::scheduler::Priority::from_wire(g.priority),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::synthetic::{SyntheticModel, CONTEXT_LENGTH};
+
+    fn serving(kv_capacity: usize) -> Serving {
+        Serving {
+            model_name: "m".into(),
+            default_max_tokens: 256,
+            kv_capacity,
+        }
+    }
+
+    /// A synthetic request: one token per word.
+    fn words(n: usize, max_tokens: Option<u32>) -> WorkerGenerateRequest {
+        WorkerGenerateRequest {
+            request: Some(GenerateRequest {
+                model: "m".into(),
+                prompt: "word ".repeat(n),
+                max_tokens,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_prompt_the_kv_cache_cannot_hold_is_refused_with_both_numbers() {
+        let err = prepare(&SyntheticModel, &serving(64), &words(64, None)).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                WorkerError::PromptExceedsKvCache {
+                    prompt: 64,
+                    capacity: 64
+                }
+            ),
+            "{err:?}"
+        );
+        let status = err.into_status();
+        assert_eq!(status.code(), tonic::Code::InvalidArgument);
+        assert!(
+            status.message().contains("prompt is 64 tokens")
+                && status.message().contains("KV cache holds 64 tokens"),
+            "{}",
+            status.message()
+        );
+        let fits = prepare(&SyntheticModel, &serving(64), &words(63, None)).unwrap();
+        assert_eq!(fits.prompt_tokens, 63);
+    }
+
+    #[test]
+    fn max_tokens_is_bounded_by_the_smaller_of_context_and_kv_cache() {
+        let err = prepare(&SyntheticModel, &serving(64), &words(4, Some(65))).unwrap_err();
+        let message = err.to_string();
+        assert_eq!(
+            message,
+            "max_tokens: 65 is beyond the worker's KV cache of 64 tokens"
+        );
+        assert_eq!(err.into_status().code(), tonic::Code::InvalidArgument);
+        assert!(prepare(&SyntheticModel, &serving(64), &words(4, Some(64))).is_ok());
+
+        let big = serving(CONTEXT_LENGTH * 2);
+        let over = Some(CONTEXT_LENGTH as u32 + 1);
+        let err = prepare(&SyntheticModel, &big, &words(4, over)).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "max_tokens: {} is beyond the context window of {CONTEXT_LENGTH} tokens",
+                CONTEXT_LENGTH + 1
+            )
+        );
+    }
 }

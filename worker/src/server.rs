@@ -1,8 +1,9 @@
 //! The `tokenmesh.v1.Worker` gRPC service.
 use crate::errors::WorkerError;
 use crate::reply::{Relay, ReplyTo};
-use crate::request::{prepare, PromptModel};
-use crate::scheduler::{EngineHandle, SequenceRequest};
+use crate::request::{prepare, PromptModel, Serving};
+use crate::scheduler::{EngineHandle, SequenceRequest, StreamKey};
+use crate::streams::LiveStreams;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
@@ -11,6 +12,7 @@ use tokenmesh_proto::v1::{
     AbortRequest, AbortResponse, GenerateResponse, StatusRequest, StatusResponse,
     WorkerGenerateRequest,
 };
+use tokenmesh_proto::validate::InvalidField;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
@@ -34,8 +36,12 @@ pub struct WorkerService {
     model: Arc<dyn PromptModel>,
     engine: EngineHandle,
     identity: WorkerIdentity,
-    default_max_tokens: usize,
+    serving: Serving,
+    live: LiveStreams,
 }
+
+/// The longest attempt id a caller may give (it reaches logs and spans).
+pub const MAX_ATTEMPT_ID_BYTES: usize = 128;
 
 impl WorkerService {
     fn labels(&self) -> Labels {
@@ -53,11 +59,17 @@ impl WorkerService {
         identity: WorkerIdentity,
         default_max_tokens: usize,
     ) -> Self {
+        let serving = Serving {
+            model_name: identity.model_name.clone(),
+            default_max_tokens,
+            kv_capacity: engine.kv_capacity(),
+        };
         Self {
             model,
             engine,
             identity,
-            default_max_tokens,
+            serving,
+            live: LiveStreams::default(),
         }
     }
 }
@@ -84,6 +96,7 @@ impl Worker for WorkerService {
             model = %self.identity.model_name,
             version = %self.identity.version,
             request_id = tracing::field::Empty,
+            attempt_id = tracing::field::Empty,
             prompt_tokens = tracing::field::Empty,
             completion_tokens = tracing::field::Empty,
             finish_reason = tracing::field::Empty,
@@ -93,25 +106,34 @@ impl Worker for WorkerService {
         tokenmesh_runtime::telemetry::adopt_parent(&span, request.metadata());
         let req = request.into_inner();
         let labels = self.labels();
-        let prepared = prepare(
-            self.model.as_ref(),
-            &self.identity.model_name,
-            self.default_max_tokens,
-            &req,
-        )
-        .map_err(|e| refused(&span, &labels, e.into_status()))?;
+        let prepared = prepare(self.model.as_ref(), &self.serving, &req)
+            .map_err(|e| refused(&span, &labels, e.into_status()))?;
         let request_id = req
             .request
             .as_ref()
             .map(|r| r.request_id.clone())
             .filter(|id| !id.is_empty())
             .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
+        let key = StreamKey {
+            request_id: request_id.clone(),
+            attempt_id: attempt_id(&req.attempt_id)
+                .map_err(|e| refused(&span, &labels, e.into_status()))?,
+        };
+        let live = self.live.claim(key.clone()).ok_or_else(|| {
+            let taken = WorkerError::StreamExists {
+                request_id: key.request_id.clone(),
+                attempt_id: key.attempt_id.clone(),
+            };
+            refused(&span, &labels, taken.into_status())
+        })?;
         let (events_tx, events_rx) = mpsc::unbounded_channel();
         span.record("request_id", request_id.as_str());
+        span.record("attempt_id", key.attempt_id.as_str());
         span.record("prompt_tokens", prepared.prompt_tokens);
         self.engine
             .submit(SequenceRequest {
                 request_id: request_id.clone(),
+                attempt_id: key.attempt_id.clone(),
                 context: prepared.context,
                 already_emitted: prepared.already_emitted,
                 max_tokens: prepared.max_tokens,
@@ -124,7 +146,12 @@ impl Worker for WorkerService {
                 span: span.clone(),
             })
             .map_err(|e| refused(&span, &labels, WorkerError::from(e).into_status()))?;
-        tracing::debug!(request_id, prompt_tokens = prepared.prompt_tokens, "queued");
+        tracing::debug!(
+            request_id,
+            attempt_id = %key.attempt_id,
+            prompt_tokens = prepared.prompt_tokens,
+            "queued"
+        );
         let (out_tx, out_rx) = mpsc::channel(32);
         let relay = Relay::new(ReplyTo {
             identity: self.identity.clone(),
@@ -136,6 +163,7 @@ impl Worker for WorkerService {
             labels,
             started: enqueued,
             span: span.clone(),
+            _live: live,
         });
         tokio::spawn(relay.run(events_rx).instrument(span));
         let mut response = Response::new(ReceiverStream::new(out_rx));
@@ -146,6 +174,9 @@ impl Worker for WorkerService {
         if let Ok(v) = self.identity.worker_id.parse() {
             md.insert(tokenmesh_proto::headers::WORKER, v);
         }
+        if let Ok(v) = key.attempt_id.parse() {
+            md.insert(tokenmesh_proto::headers::ATTEMPT, v);
+        }
         Ok(response)
     }
 
@@ -153,14 +184,36 @@ impl Worker for WorkerService {
         &self,
         request: Request<AbortRequest>,
     ) -> Result<Response<AbortResponse>, Status> {
-        let id = request.into_inner().request_id;
-        if id.is_empty() {
-            return Err(Status::invalid_argument("request_id: must not be empty"));
+        let req = request.into_inner();
+        let missing = |field: &'static str, why: &str| {
+            WorkerError::from(InvalidField {
+                field,
+                reason: format!("must not be empty; {why}"),
+            })
+            .into_status()
+        };
+        if req.request_id.is_empty() {
+            return Err(missing("request_id", "name the stream to stop"));
         }
-        self.engine.abort(&id);
-        // The engine applies the abort asynchronously; `found` is not knowable
-        // without a round trip, so report that the abort was accepted.
-        Ok(Response::new(AbortResponse { found: true }))
+        if req.attempt_id.is_empty() {
+            // A request id alone may name other callers' streams too.
+            return Err(missing(
+                "attempt_id",
+                "give the attempt_id of the Generate call (its x-tokenmesh-attempt \
+                 response header), since streams may share a request_id",
+            ));
+        }
+        let key = StreamKey {
+            request_id: req.request_id,
+            attempt_id: req.attempt_id,
+        };
+        // Known here without a round trip to the engine thread: the stream's
+        // reply holds its name until it ends.
+        let found = self.live.contains(&key);
+        if found {
+            self.engine.abort(key);
+        }
+        Ok(Response::new(AbortResponse { found }))
     }
 
     async fn status(&self, _: Request<StatusRequest>) -> Result<Response<StatusResponse>, Status> {
@@ -185,6 +238,22 @@ impl Worker for WorkerService {
             capacity: self.identity.capacity,
         }))
     }
+}
+
+/// The caller's attempt id, checked, or a fresh one when it gave none.
+fn attempt_id(given: &str) -> Result<String, WorkerError> {
+    if given.len() > MAX_ATTEMPT_ID_BYTES {
+        return Err(InvalidField {
+            field: "attempt_id",
+            reason: format!("{} bytes; at most {MAX_ATTEMPT_ID_BYTES}", given.len()),
+        }
+        .into());
+    }
+    Ok(if given.is_empty() {
+        uuid::Uuid::new_v4().simple().to_string()
+    } else {
+        given.to_string()
+    })
 }
 
 /// The model, version and worker labels of a request's metrics.

@@ -43,6 +43,7 @@ fn submit(engine: &EngineHandle, m: &LoadedModel, job: &Job) -> mpsc::UnboundedR
     engine
         .submit(SequenceRequest {
             request_id: job.prompt.clone(),
+            attempt_id: String::new(),
             context,
             already_emitted: 0,
             max_tokens: job.max_tokens,

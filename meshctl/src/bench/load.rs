@@ -114,7 +114,7 @@ impl Target {
             WorkerClient::new(channel)
                 .generate(WorkerGenerateRequest {
                     request: Some(req),
-                    emitted_token_ids: vec![],
+                    ..Default::default()
                 })
                 .await?
         } else {

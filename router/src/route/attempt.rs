@@ -6,6 +6,9 @@
 //! The routing facts (candidates and their loads, the worker chosen and why,
 //! the attempts so far) are written on the `route` span the caller passes in,
 //! which is also the parent of the client span of each call to a worker.
+//! Each call carries a fresh random `attempt_id` (on that client span too),
+//! which with the request id names the stream on the worker, for
+//! `Worker.Abort`: request ids are chosen by clients and need not be unique.
 use super::p2c;
 use super::retry_budget::{RetryBudget, RetryReason};
 use crate::errors::RouterError;
@@ -163,10 +166,9 @@ impl Attempts {
         route: &Span,
     ) -> Result<Upstream, CallError> {
         let guard = InFlight::new(ep.clone());
-        let mut call = tonic::Request::new(WorkerGenerateRequest {
-            request: Some(self.request.clone()),
-            emitted_token_ids: emitted.to_vec(),
-        });
+        // The stream's own name on the worker: request ids are the
+        // clients', and two streams may share one.
+        let attempt_id = uuid::Uuid::new_v4().simple().to_string();
         let span = tracing::info_span!(
             parent: route,
             "worker.Generate",
@@ -174,8 +176,14 @@ impl Attempts {
             otel.kind = "client",
             otel.status_code = tracing::field::Empty,
             worker = %ep.id,
+            attempt_id = %attempt_id,
             emitted = emitted.len(),
         );
+        let mut call = tonic::Request::new(WorkerGenerateRequest {
+            request: Some(self.request.clone()),
+            emitted_token_ids: emitted.to_vec(),
+            attempt_id,
+        });
         telemetry::inject(&span, call.metadata_mut());
         if let Some(d) = self.deadline {
             // The worker gets what is left of the caller's deadline.

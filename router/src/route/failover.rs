@@ -166,8 +166,14 @@ async fn relay(
                 }
             }
             Some(Event::Finished(mut f)) => {
+                // Every finish reason ends the stream as the worker sent it,
+                // a CANCELLED (the worker's Abort) or KV_CACHE_FULL one too:
+                // neither is a failure another worker could mend.
                 client.meter.code = tonic::Code::Ok;
                 f.failovers = client.failovers;
+                // Named as Accepted names workers: by the id the router
+                // routed to, not the worker's own idea of its id.
+                f.worker_id = upstream.guard.endpoint().id.clone();
                 if let Some(t) = f.timings.as_mut() {
                     t.total_ms = ctx.started.elapsed().as_secs_f64() * 1000.0;
                 }

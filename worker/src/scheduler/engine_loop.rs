@@ -10,13 +10,15 @@
 //! 3. every decoding sequence gets room for one more token; if the pool is
 //!    full the youngest sequence is preempted (its blocks freed, its tokens
 //!    kept) and goes back to the head of the queue, to be recomputed later;
+//!    a sequence whose next token would not fit even in the whole pool ends
+//!    as [`Finish::KvCacheFull`] (preempting others would not help);
 //! 4. prompts are read in chunks that fit the step's token budget, so running
 //!    streams keep getting a token every step while a long prompt is read;
 //! 5. one forward pass runs every sequence's share; sequences whose context is
 //!    fully read sample their next token (a sequence the model failed leaves
 //!    with its error).
 use super::queue::PriorityQueue;
-use super::{Command, EngineStats, Event, Finish, SchedulerConfig, SequenceRequest};
+use super::{Command, EngineStats, Event, Finish, SchedulerConfig, SequenceRequest, StreamKey};
 use crate::engine::detokenize::TextStream;
 use crate::engine::kv::{KvCache, KvPool};
 use crate::engine::model::{BatchSeq, ModelError, SeqStart, SeqStep, StepModel, StepOutput};
@@ -96,6 +98,11 @@ impl<M: StepModel> Scheduler<M> {
         })
     }
 
+    /// Tokens of context one sequence can hold: the whole pool.
+    pub(super) fn kv_capacity(&self) -> usize {
+        self.pool.total_blocks() * self.pool.block_size()
+    }
+
     pub(super) fn run(mut self, mut rx: mpsc::UnboundedReceiver<Command>) {
         loop {
             if self.active.is_empty() && self.waiting.is_empty() {
@@ -130,22 +137,51 @@ impl<M: StepModel> Scheduler<M> {
     pub(super) fn handle(&mut self, cmd: Command) {
         match cmd {
             Command::Submit(req) => self.submit(*req),
-            Command::Abort(id) => {
-                self.remove_waiting(|s| s.req.request_id == id);
-                self.remove_active(|s| s.req.request_id == id);
-            }
+            Command::Abort(key) => self.abort(&key),
+        }
+    }
+
+    /// Ends the sequence `key` names, waiting or running, as cancelled, with
+    /// the tokens it has so far.
+    fn abort(&mut self, key: &StreamKey) {
+        let named = |s: &Seq<M::SeqState>| {
+            s.req.request_id == key.request_id && s.req.attempt_id == key.attempt_id
+        };
+        if let Some(i) = self.active.iter().position(named) {
+            self.finish(i, End::Finished(Finish::Cancelled, None));
+        }
+        // A waiting sequence (new, or preempted) holds no blocks.
+        for mut s in self.waiting.take_where(named) {
+            self.stats.queued.fetch_sub(1, Ordering::SeqCst);
+            let event = finished(&mut s, Finish::Cancelled, None);
+            let _ = s.req.events.send(event);
         }
     }
 
     /// Queues a submitted sequence, or rejects one that could never fit.
+    /// (Request preparation refuses such prompts before they get here.)
     fn submit(&mut self, req: SequenceRequest) {
+        let total = self.pool.total_blocks();
+        if req.already_emitted > 0 && self.pool.blocks_for(req.context.len()) > total {
+            // A continuation longer than the pool: the first worker's cache
+            // was full by this token, so it ends here as it would have there.
+            self.stats.queued.fetch_sub(1, Ordering::SeqCst);
+            let _ = req.events.send(Event::Finished {
+                reason: Finish::KvCacheFull,
+                stop: None,
+                tail: String::new(),
+                completion_tokens: req.already_emitted as u32,
+                first_token: None,
+                total: req.enqueued.elapsed(),
+            });
+            return;
+        }
         let needed = self.pool.blocks_for(req.context.len() + 1);
-        if needed > self.pool.total_blocks() {
+        if req.already_emitted == 0 && needed > total {
             self.stats.queued.fetch_sub(1, Ordering::SeqCst);
             let _ = req.events.send(Event::Rejected(format!(
-                "the prompt needs {needed} KV cache blocks but the worker's pool has {}; \
-                 shorten the prompt or raise the worker's --kv-budget-mib",
-                self.pool.total_blocks()
+                "the prompt needs {needed} KV cache blocks but the worker's pool has {total}; \
+                 shorten the prompt or raise the worker's --kv-budget-mib"
             )));
             return;
         }
@@ -245,17 +281,18 @@ impl<M: StepModel> Scheduler<M> {
             let s = &self.active[i];
             if s.pending() == 1 && !s.prefilling {
                 let need = s.cache.len() + 1;
+                if self.pool.blocks_for(need) > self.pool.total_blocks() {
+                    // Not even the whole pool holds its next token: freeing
+                    // others would not help, so it ends here, saying why.
+                    self.finish(i, End::Finished(Finish::KvCacheFull, None));
+                    continue;
+                }
                 loop {
                     let s = &mut self.active[i];
                     if self.pool.reserve(&mut s.cache, need).is_ok() {
                         break;
                     }
-                    if self.active.len() == 1 {
-                        // Alone and still short: the pool is this sequence's
-                        // context limit, like the context window.
-                        self.finish(i, End::Finished(Finish::Length, None));
-                        return;
-                    }
+                    debug_assert!(self.active.len() > 1, "alone, it fits the pool");
                     let youngest = self.active.len() - 1;
                     self.preempt(youngest);
                     if youngest == i {
@@ -395,26 +432,11 @@ impl<M: StepModel> Scheduler<M> {
         let mut s = self.active.remove(i);
         self.pool.release(&mut s.cache);
         s.phase.record("tokens", s.generated);
-        let (reason, stop) = match end {
-            End::Finished(reason, stop) => (reason, stop),
-            End::Failed(why) => {
-                let _ = s.req.events.send(Event::Failed(why));
-                return;
-            }
+        let event = match end {
+            End::Finished(reason, stop) => finished(&mut s, reason, stop),
+            End::Failed(why) => Event::Failed(why),
         };
-        let tail = if reason == Finish::Stop {
-            String::new()
-        } else {
-            s.text.finish()
-        };
-        let _ = s.req.events.send(Event::Finished {
-            reason,
-            stop,
-            tail,
-            completion_tokens: s.generated as u32,
-            first_token: s.first_token,
-            total: s.req.enqueued.elapsed(),
-        });
+        let _ = s.req.events.send(event);
     }
 
     fn publish(&self) {
@@ -434,6 +456,24 @@ impl<M: StepModel> Scheduler<M> {
         }
         metrics::gauge!("llm_kv_cache_usage_ratio", labels)
             .set(used as f64 / self.pool.total_blocks().max(1) as f64);
+    }
+}
+
+/// The `Finished` event of `s`: a stop string's text is not sent, any
+/// other end releases the text held back so far.
+fn finished<S>(s: &mut Seq<S>, reason: Finish, stop: Option<String>) -> Event {
+    let tail = if reason == Finish::Stop {
+        String::new()
+    } else {
+        s.text.finish()
+    };
+    Event::Finished {
+        reason,
+        stop,
+        tail,
+        completion_tokens: s.generated as u32,
+        first_token: s.first_token,
+        total: s.req.enqueued.elapsed(),
     }
 }
 

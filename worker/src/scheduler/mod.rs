@@ -23,6 +23,18 @@ pub enum Finish {
     Stop,
     Length,
     Eos,
+    /// Stopped by an abort.
+    Cancelled,
+    /// Its next token needs more KV cache than the whole pool has.
+    KvCacheFull,
+}
+
+/// Names one stream on this worker: the client's request id (which several
+/// streams may share) and the attempt id of the call that opened it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct StreamKey {
+    pub request_id: String,
+    pub attempt_id: String,
 }
 
 /// What the engine tells one sequence's owner.
@@ -55,6 +67,8 @@ pub enum Event {
 /// One sequence to generate.
 pub struct SequenceRequest {
     pub request_id: String,
+    /// With `request_id`, what an abort names (see [`StreamKey`]).
+    pub attempt_id: String,
     /// Prompt tokens followed by tokens emitted before a failover.
     pub context: Vec<u32>,
     /// Tokens of `context` that were already delivered to the client.
@@ -125,7 +139,7 @@ pub struct SchedulerConfig {
 /// What an engine's handle sends its thread.
 pub(crate) enum Command {
     Submit(Box<SequenceRequest>),
-    Abort(String),
+    Abort(StreamKey),
 }
 
 /// Cheap, cloneable handle to the engine thread. Dropping the last clone
@@ -137,6 +151,8 @@ pub struct EngineHandle {
     tx: mpsc::UnboundedSender<Command>,
     stats: Arc<EngineStats>,
     queue_capacity: usize,
+    /// Tokens the KV pool holds (blocks times block size).
+    kv_capacity: usize,
     thread: Arc<EngineThread>,
 }
 
@@ -164,6 +180,7 @@ impl EngineHandle {
     pub fn start<M: StepModel>(model: M, cfg: SchedulerConfig) -> Result<Self, candle_core::Error> {
         let (mut handle, rx) = Self::channel(cfg.queue_capacity);
         let scheduler = engine_loop::Scheduler::new(model, cfg, handle.stats.clone())?;
+        handle.kv_capacity = scheduler.kv_capacity();
         let thread = std::thread::Builder::new()
             .name("engine".into())
             .spawn(move || scheduler.run(rx))
@@ -181,6 +198,7 @@ impl EngineHandle {
             tx,
             stats: Arc::new(EngineStats::default()),
             queue_capacity,
+            kv_capacity: 0,
             thread: Arc::default(),
         };
         (handle, rx)
@@ -204,9 +222,16 @@ impl EngineHandle {
         })
     }
 
-    /// Stops a sequence by request id (dropping its receiver does too).
-    pub fn abort(&self, request_id: &str) {
-        let _ = self.tx.send(Command::Abort(request_id.to_string()));
+    /// Stops the sequence `key` names, which then finishes as
+    /// [`Finish::Cancelled`] with the tokens it has (dropping its receiver
+    /// stops it too, silently).
+    pub fn abort(&self, key: StreamKey) {
+        let _ = self.tx.send(Command::Abort(key));
+    }
+
+    /// Tokens of context one sequence can hold in the KV cache pool.
+    pub fn kv_capacity(&self) -> usize {
+        self.kv_capacity
     }
 
     /// Live counters.

@@ -79,6 +79,19 @@ impl<T> PriorityQueue<T> {
         removed
     }
 
+    /// Takes out every item for which `pick` is true, in queue order.
+    pub fn take_where(&mut self, mut pick: impl FnMut(&T) -> bool) -> Vec<T> {
+        let mut taken = Vec::new();
+        for c in &mut self.classes {
+            let (out, keep): (VecDeque<_>, VecDeque<_>) = std::mem::take(c)
+                .into_iter()
+                .partition(|(_, item)| pick(item));
+            *c = keep;
+            taken.extend(out.into_iter().map(|(_, item)| item));
+        }
+        taken
+    }
+
     /// Items waiting.
     pub fn len(&self) -> usize {
         self.classes.iter().map(VecDeque::len).sum()
@@ -149,5 +162,10 @@ mod tests {
         assert_eq!(q.depths(), [0, 1, 0]);
         assert_eq!(q.remove_where(|&x| x == 1), 1);
         assert!(q.is_empty());
+        q.push(Priority::Low, t0, 2);
+        q.push(Priority::High, t0, 3);
+        q.push(Priority::Low, t0, 4);
+        assert_eq!(q.take_where(|&x| x != 3), vec![2, 4]);
+        assert_eq!(q.depths(), [1, 0, 0]);
     }
 }

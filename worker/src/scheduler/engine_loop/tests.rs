@@ -111,10 +111,23 @@ fn submit(
     priority: Priority,
     enqueued: Instant,
 ) -> mpsc::UnboundedReceiver<Event> {
+    submit_as(s, (id, ""), prompt, max_tokens, priority, enqueued)
+}
+
+/// Submits as `submit` does, under a (request id, attempt id) name.
+fn submit_as(
+    s: &mut Scheduler<CountingModel>,
+    (request_id, attempt_id): (&str, &str),
+    prompt: &[u32],
+    max_tokens: usize,
+    priority: Priority,
+    enqueued: Instant,
+) -> mpsc::UnboundedReceiver<Event> {
     let (tx, rx) = mpsc::unbounded_channel();
     s.stats.queued.fetch_add(1, Ordering::SeqCst);
     s.handle(Command::Submit(Box::new(SequenceRequest {
-        request_id: id.into(),
+        request_id: request_id.into(),
+        attempt_id: attempt_id.into(),
         context: prompt.to_vec(),
         already_emitted: 0,
         max_tokens,
@@ -330,4 +343,110 @@ fn a_sequence_the_model_fails_leaves_and_the_rest_carry_on() {
     );
     assert_eq!(received(&mut fine).0, [3, 4, 5]);
     assert_eq!(s.pool.free_blocks(), s.pool.total_blocks());
+}
+
+#[test]
+fn a_sequence_that_outgrows_the_whole_pool_ends_as_kv_cache_full() {
+    // 4 blocks of 4 tokens: an 8-token prompt leaves room for 8 more in the
+    // cache, so 9 completion tokens (the last is never stored), long before
+    // max_tokens or the end-of-turn token (14 tokens away).
+    let mut s = scheduler(config(2, 16));
+    let mut rx = normal(&mut s, "long", &[1; 8], 50);
+    run_out(&mut s, 50);
+    let (tokens, end) = received(&mut rx);
+    assert_eq!(tokens, (2..=10).collect::<Vec<u32>>());
+    assert!(
+        matches!(
+            end,
+            Some(Event::Finished {
+                reason: Finish::KvCacheFull,
+                completion_tokens: 9,
+                ..
+            })
+        ),
+        "{end:?}"
+    );
+    assert_eq!(s.pool.free_blocks(), s.pool.total_blocks());
+}
+
+#[test]
+fn a_continuation_past_the_pool_ends_as_kv_cache_full_at_once() {
+    // What the first worker sent: 8 prompt tokens and 9 completion tokens,
+    // one more than the pool holds; it ended there as KvCacheFull.
+    let mut s = scheduler(config(2, 16));
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    s.stats.queued.fetch_add(1, Ordering::SeqCst);
+    let mut context = vec![1; 8];
+    context.extend(2..=10);
+    s.handle(Command::Submit(Box::new(SequenceRequest {
+        request_id: "cont".into(),
+        attempt_id: String::new(),
+        context,
+        already_emitted: 9,
+        max_tokens: 50,
+        sampling: SamplingParams::default(),
+        stop: vec![],
+        logprobs: false,
+        events: tx,
+        enqueued: Instant::now(),
+        priority: Priority::Normal,
+        span: tracing::Span::none(),
+    })));
+    assert!(
+        matches!(
+            received(&mut rx),
+            (t, Some(Event::Finished { reason: Finish::KvCacheFull, completion_tokens: 9, .. }))
+                if t.is_empty()
+        ),
+        "a continuation past the pool is a finish, not a refusal"
+    );
+    assert_eq!(s.stats.queued.load(Ordering::SeqCst), 0);
+}
+
+#[test]
+fn an_abort_cancels_only_the_stream_it_names() {
+    let mut s = scheduler(config(1, 64));
+    let now = Instant::now();
+    // Two streams of one request id; one slot, so the second waits.
+    let mut running = submit_as(&mut s, ("req", "a1"), &[1], 10, Priority::Normal, now);
+    let mut waiting = submit_as(&mut s, ("req", "a2"), &[1], 10, Priority::Normal, now);
+    let mut other = submit_as(&mut s, ("req", "a3"), &[1], 3, Priority::Normal, now);
+    s.tick();
+    s.tick();
+    s.handle(Command::Abort(StreamKey {
+        request_id: "req".into(),
+        attempt_id: "a1".into(),
+    }));
+    let (tokens, end) = received(&mut running);
+    assert_eq!(tokens, [2, 3]);
+    assert!(
+        matches!(
+            end,
+            Some(Event::Finished {
+                reason: Finish::Cancelled,
+                completion_tokens: 2,
+                ..
+            })
+        ),
+        "{end:?}"
+    );
+    assert!(s.active.is_empty(), "its slot and blocks are free");
+    assert_eq!(s.pool.free_blocks(), s.pool.total_blocks());
+    // A waiting stream is cancelled without having run.
+    s.handle(Command::Abort(StreamKey {
+        request_id: "req".into(),
+        attempt_id: "a2".into(),
+    }));
+    assert!(matches!(
+        received(&mut waiting),
+        (t, Some(Event::Finished { reason: Finish::Cancelled, completion_tokens: 0, .. }))
+            if t.is_empty()
+    ));
+    assert_eq!(s.stats.queued.load(Ordering::SeqCst), 1);
+    // The third, same request id, runs to its end.
+    run_out(&mut s, 10);
+    assert!(matches!(
+        received(&mut other),
+        (t, Some(Event::Finished { reason: Finish::Length, .. })) if t == [2, 3, 4]
+    ));
 }

@@ -8,7 +8,7 @@
 //! loaded machine.
 use super::*;
 use crate::engine::sampling::SamplingParams;
-use crate::scheduler::{Event, Finish, Priority, SequenceRequest, SubmitError};
+use crate::scheduler::{Event, Finish, Priority, SequenceRequest, StreamKey, SubmitError};
 use crate::synthetic::{output_token, tokenize, WORDS};
 use std::sync::atomic::Ordering;
 use tokio::sync::mpsc;
@@ -60,6 +60,7 @@ fn request(
     let (tx, rx) = mpsc::unbounded_channel();
     let req = SequenceRequest {
         request_id: id.into(),
+        attempt_id: format!("attempt-{id}"),
         context: tokenize(prompt),
         already_emitted: 0,
         max_tokens,
@@ -235,7 +236,10 @@ async fn a_cancelled_sequence_frees_its_slot() {
         stats.kv_blocks_used.load(Ordering::SeqCst) > 0
     })
     .await;
-    engine.abort("c");
+    engine.abort(StreamKey {
+        request_id: "c".into(),
+        attempt_id: "attempt-c".into(),
+    });
     until("c's blocks back", || {
         stats.active.load(Ordering::SeqCst) == 0 && stats.kv_blocks_used.load(Ordering::SeqCst) == 0
     })
