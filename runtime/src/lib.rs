@@ -1,6 +1,7 @@
 //! What every tokenmesh server shares, so each process crate holds only its
 //! own logic: start-up ([`serve`]: health, reflection, the authorization
-//! layer, TLS or plaintext, graceful shutdown), the common flags
+//! layer, TLS or plaintext, graceful shutdown), readiness ([`readiness`],
+//! which drives grpc.health and the plaintext probes of [`probes`]), the common flags
 //! ([`args::ServerArgs`]), etcd connections and leases ([`etcd`],
 //! [`lease`]), backoff with jitter ([`backoff`]) and telemetry set-up
 //! ([`telemetry`]). No business logic lives here.
@@ -10,6 +11,8 @@ pub mod args;
 pub mod backoff;
 pub mod etcd;
 pub mod lease;
+pub mod probes;
+pub mod readiness;
 pub mod reflection;
 pub mod serve;
 pub mod shutdown;
@@ -18,6 +21,7 @@ pub mod telemetry;
 
 pub use args::ServerArgs;
 pub use backoff::Backoff;
+pub use readiness::Readiness;
 pub use serve::{ServeError, Server};
 pub use shutdown::shutdown_signal;
 pub use start::{start, StartError};

@@ -56,6 +56,9 @@ pub enum RunError {
     Join(#[from] tokio::task::JoinError),
 }
 
+/// The readiness condition of a worker whose model is still loading.
+const LOADING: &str = "model";
+
 /// A running engine and what the worker reports about it.
 struct StartedEngine {
     model: Arc<dyn request::PromptModel>,
@@ -212,7 +215,18 @@ pub async fn run(
     // fast with its name in the error.
     let tls = cfg.server.transport(Role::Worker, "")?;
     let worker_id = worker_id(&cfg, tls.as_ref())?;
+    let etcd_tls = cfg.server.etcd_tls(tls.as_ref());
+    let server = Server::new("worker", &[Role::Router], tls, cfg.server.tls_reload());
+    // Alive (/healthz) while the model loads, ready once it has loaded, is
+    // registered (with etcd) and is not draining.
+    let readiness = server.readiness();
+    readiness.not_ready(LOADING, "loading the model");
+    if !cfg.server.etcd.is_empty() {
+        readiness.not_ready(registration::CONDITION, "not registered in etcd yet");
+    }
+    let server = server.probes(cfg.server.telemetry.metrics_listen)?;
     let started = start_engine(&cfg, &worker_id).await?;
+    readiness.ready(LOADING);
     let identity = WorkerIdentity {
         worker_id,
         model_name: started.model_name,
@@ -232,11 +246,9 @@ pub async fn run(
         cfg.default_max_tokens,
     );
     let bound = tokenmesh_runtime::serve::bound(&listener)?;
-    let etcd_tls = cfg.server.etcd_tls(tls.as_ref());
-    let server = Server::new("worker", &[Role::Router], tls, cfg.server.tls_reload());
     let (deregister_tx, deregister_rx) = watch::channel(false);
     let registration = registration_of(&cfg, &identity, &started.digest, bound, etcd_tls.clone())
-        .map(|reg| tokio::spawn(registration::run(reg, deregister_rx)));
+        .map(|reg| tokio::spawn(registration::run(reg, readiness.clone(), deregister_rx)));
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let drain = drain::Drain {
         key: (!cfg.server.etcd.is_empty()).then(|| drain_key::DrainKey {
@@ -247,7 +259,7 @@ pub async fn run(
         timeout: Duration::from_secs(cfg.drain_timeout),
         stay_drained: cfg.stay_drained,
         stats: engine.stats().clone(),
-        health: server.health(),
+        readiness,
         deregister: deregister_tx,
         registration,
     };
