@@ -3,7 +3,8 @@
 //! and every metric the Grafana dashboard and the rules query is one that a
 //! real router and worker export: both are started, serve a request and a
 //! refused one, and their `/metrics` are scraped. Renaming a metric in code,
-//! or moving it from one process to the other, fails this test.
+//! or moving it from one process to the other, fails this test. The compose
+//! file's health checks ask each process's `/readyz`.
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::process::Command;
