@@ -54,6 +54,7 @@ pub async fn run(
         DISCOVERY,
         "waiting for discovery's first view (the etcd snapshot)",
     );
+    readiness.not_ready(WORKERS, NO_WORKER);
     let server = server.probes(cfg.server.telemetry.metrics_listen)?;
     let follower = tokio::spawn(follow_registry(registry.clone(), readiness));
     let (stop_stats, stats_stopped) = tokio::sync::watch::channel(false);
@@ -104,6 +105,7 @@ pub async fn run(
 const DISCOVERY: &str = "discovery";
 /// Readiness condition: no worker may take a stream.
 const WORKERS: &str = "workers";
+const NO_WORKER: &str = "no ready worker";
 
 /// Keeps the router's readiness (grpc.health and `/readyz`) in step with
 /// the registry: ready once discovery has delivered its first view and while
@@ -117,7 +119,7 @@ async fn follow_registry(registry: Arc<Registry>, readiness: tokenmesh_runtime::
         readiness.set(
             WORKERS,
             match registry.ready_workers() {
-                0 => Err("no ready worker".into()),
+                0 => Err(NO_WORKER.into()),
                 _ => Ok(()),
             },
         );

@@ -110,9 +110,9 @@ impl Server {
 
     /// Serves `service`, health and reflection on `listener` until
     /// `shutdown` resolves; grpc.health reports the server and `service`
-    /// SERVING while the readiness says ready, NOT_SERVING otherwise. Prints `ready` and
-    /// the transport on stdout once the listener accepts, the line launchers
-    /// and operators wait for.
+    /// SERVING while the readiness says ready, NOT_SERVING otherwise. Prints
+    /// `ready` and the transport on stdout once the listener accepts, the
+    /// line launchers and operators wait for.
     pub async fn serve<S>(
         self,
         service: S,
