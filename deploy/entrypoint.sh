@@ -6,7 +6,9 @@
 #   certs-init ROLE:NAME...  issue the CA (in /ca) and a leaf per NAME into
 #                            /certs/NAME; existing certificates are kept
 #   policy-init              put the default traffic policy in etcd unless one exists
-#   probe PORT DIR ROLE      health check: a mutual-TLS handshake with 127.0.0.1:PORT
+#   ready PORT               health check: GET /readyz on the plaintext metrics
+#                            listener 127.0.0.1:PORT answers 200 (else exit 1
+#                            with the server's reason); needs no certificate
 set -euo pipefail
 
 die() { echo "tokenmesh-entrypoint: $*" >&2; exit 2; }
@@ -58,10 +60,17 @@ put $key $value
     esac
     exit 0
     ;;
-  probe)
-    port=$2 dir=$3 role=$4
-    exec timeout 5 openssl s_client -connect "127.0.0.1:$port" -alpn h2 -verify_return_error \
-      -CAfile "$dir/ca.pem" -cert "$dir/$role.pem" -key "$dir/$role.key" </dev/null >/dev/null 2>&1
+  ready)
+    # bash's /dev/tcp: no HTTP client in the image is needed. A TLS handshake
+    # with the gRPC port would succeed for a draining worker too.
+    port=${2:?usage: ready METRICS_PORT}
+    exec 3<>"/dev/tcp/127.0.0.1/$port"
+    printf 'GET /readyz HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n' >&3
+    read -r -t 5 _ status _ <&3
+    if [ "$status" = 200 ]; then exit 0; fi
+    # the body says why (docker inspect shows it)
+    timeout 5 sed '1,/^\r$/d' <&3 || true
+    exit 1
     ;;
   tokenmesh-worker)
     if [ -n "${TOKENMESH_TLS_DIR:-}" ]; then need_tls "$TOKENMESH_TLS_DIR" worker; fi

@@ -126,6 +126,11 @@ first_token_s=$(took "$t_up")
 echo "up returned after ${up_returned_s} s; first generated reply ${first_token_s} s after up"
 client --target "$R1" --timeout 180 wait-ready --want v1=2,v2=1
 client --target "$R2" --timeout 60 wait-ready --want v1=2,v2=1
+# every tokenmesh service's compose health check (GET /readyz on its
+# plaintext metrics port) passes once the mesh serves
+for s in worker-v1-1 worker-v1-2 worker-v2-1 router-1 router-2; do
+  wait_for "[ \"\$(health $s)\" = healthy ]" 60
+done
 all_ready_s=$(took "$t_up")
 
 # --- bad input -----------------------------------------------------------------

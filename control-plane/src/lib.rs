@@ -49,6 +49,18 @@ pub async fn run(
     if etcd.is_empty() {
         return Err(RunError::NoEtcd);
     }
+    let server = Server::new(
+        "control plane",
+        &[Role::Operator, Role::Auditor],
+        tls.clone(),
+        cfg.server.tls_reload(),
+    );
+    // Ready while its reads of etcd succeed (the sampler below reads every
+    // SAMPLE_EVERY); when etcd is away it still serves stale reads, but
+    // writes fail, so it is not ready.
+    let readiness = server.readiness();
+    readiness.not_ready(views::ETCD, "not connected to etcd yet");
+    let server = server.probes(cfg.server.telemetry.metrics_listen)?;
     let etcd_tls = cfg.server.etcd_tls(tls.as_ref());
     let keys = cfg.server.keys();
     let store = store::Store::connect(etcd, keys.clone(), etcd_tls.as_ref()).await?;
@@ -84,6 +96,7 @@ pub async fn run(
         store.clone(),
         SAMPLE_EVERY,
         Duration::from_secs(cfg.status_window_s.max(1)),
+        readiness,
     );
     let service = service::ControlService::new(store, history, cfg.rollout_defaults());
     let bound = tokenmesh_runtime::serve::bound(&listener)?;
@@ -91,19 +104,14 @@ pub async fn run(
         shutdown.await;
         let _ = stop_tx.send(true);
     };
-    let served = Server::new(
-        "control plane",
-        &[Role::Operator, Role::Auditor],
-        tls,
-        cfg.server.tls_reload(),
-    )
-    .serve(
-        ControlServer::new(service).max_decoding_message_size(edge::MAX_REQUEST_BYTES),
-        listener,
-        format!("tokenmesh-control {id} ready on {bound}"),
-        shutdown,
-    )
-    .await;
+    let served = server
+        .serve(
+            ControlServer::new(service).max_decoding_message_size(edge::MAX_REQUEST_BYTES),
+            listener,
+            format!("tokenmesh-control {id} ready on {bound}"),
+            shutdown,
+        )
+        .await;
     sampler.abort();
     // Resign so that another replica leads at once rather than after the TTL.
     let _ = tokio::time::timeout(Duration::from_secs(3), election).await;

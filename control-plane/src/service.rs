@@ -114,45 +114,19 @@ fn policy_to_proto(p: &PolicyRecord) -> v1::TrafficPolicy {
     }
 }
 
-/// Checks a requested policy against the registered versions.
+/// Checks a requested policy as every reader of the stored one does
+/// ([`PolicyRecord::validate`]), then against the registered versions.
 fn policy_from_proto(
     snap: &Snapshot,
     model: &str,
     p: &v1::TrafficPolicy,
 ) -> Result<PolicyRecord, ControlError> {
-    if p.stable_version.is_empty() {
-        return Err(ControlError::Invalid(
-            "policy.stable_version: required".into(),
-        ));
-    }
-    name("policy.stable_version", &p.stable_version)?;
-    if !p.canary_version.is_empty() {
-        name("policy.canary_version", &p.canary_version)?;
-    }
-    if p.canary_weight > 100 {
-        return Err(ControlError::Invalid(format!(
-            "policy.canary_weight must be 0..=100, got {}",
-            p.canary_weight
-        )));
-    }
     if p.canary_version.is_empty() && p.canary_weight > 0 {
         return Err(ControlError::Invalid(
             "policy.canary_weight is set but policy.canary_version is empty".into(),
         ));
     }
-    if p.canary_version == p.stable_version {
-        return Err(ControlError::Invalid(
-            "policy.canary_version must differ from policy.stable_version".into(),
-        ));
-    }
-    if !snap.knows_model(model) {
-        return Err(ControlError::UnknownModel(model.into()));
-    }
-    registered_version(snap, model, &p.stable_version)?;
-    if !p.canary_version.is_empty() {
-        registered_version(snap, model, &p.canary_version)?;
-    }
-    Ok(PolicyRecord {
+    let record = PolicyRecord {
         stable: p.stable_version.clone(),
         canary: (!p.canary_version.is_empty()).then(|| CanaryPolicy {
             version: p.canary_version.clone(),
@@ -160,7 +134,18 @@ fn policy_from_proto(
         }),
         sticky: p.sticky,
         pin_allowed: p.pin_allowed,
-    })
+    };
+    record
+        .validate()
+        .map_err(|e| ControlError::Invalid(e.to_string()))?;
+    if !snap.knows_model(model) {
+        return Err(ControlError::UnknownModel(model.into()));
+    }
+    registered_version(snap, model, &p.stable_version)?;
+    if !p.canary_version.is_empty() {
+        registered_version(snap, model, &p.canary_version)?;
+    }
+    Ok(record)
 }
 
 fn rollout_response(
@@ -191,11 +176,15 @@ impl Control for ControlService {
         if !snap.knows_model(&model) {
             return Err(ControlError::UnknownModel(model).into());
         }
-        let (policy, revision) = snap
-            .policies
-            .get(&model)
-            .map(|p| (Some(policy_to_proto(&p.value)), p.mod_revision))
-            .unwrap_or((None, 0));
+        // A stored policy that fails validation is shown as none, at its
+        // revision, so that `policy set` can replace it.
+        let (policy, revision) = match snap.policies.get(&model) {
+            Some(p) => (Some(policy_to_proto(&p.value)), p.mod_revision),
+            None => (
+                None,
+                snap.invalid_policies.get(&model).copied().unwrap_or(0),
+            ),
+        };
         Ok(Response::new(v1::PolicyResponse {
             model,
             policy,

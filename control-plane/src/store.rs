@@ -74,6 +74,9 @@ pub struct Snapshot {
     pub revision: i64,
     pub workers: Vec<Registered>,
     pub policies: BTreeMap<String, Versioned<PolicyRecord>>,
+    /// The revisions of stored policies that are malformed or fail
+    /// validation (logged and left out of `policies`), by model.
+    pub invalid_policies: BTreeMap<String, i64>,
     /// Drain reason by worker id.
     pub drains: BTreeMap<String, String>,
     pub stats: Vec<RouterStats>,
@@ -267,9 +270,20 @@ impl Store {
                 });
             }
         } else if let Some(model) = k.parse_policy(key) {
-            if let Some(policy) = parsed(key, value, "traffic policy") {
-                snap.policies
-                    .insert(model.into(), Versioned::at(policy, rev));
+            // Checked as SetPolicy checks it: the key may have been written
+            // straight into etcd.
+            let policy = parsed::<PolicyRecord>(key, value, "traffic policy").filter(|p| {
+                p.validate()
+                    .map_err(|e| tracing::warn!(key, error = %e, "ignoring invalid traffic policy"))
+                    .is_ok()
+            });
+            match policy {
+                Some(p) => {
+                    snap.policies.insert(model.into(), Versioned::at(p, rev));
+                }
+                None => {
+                    snap.invalid_policies.insert(model.into(), rev);
+                }
             }
         } else if let Some(id) = k.parse_drain(key) {
             snap.drains

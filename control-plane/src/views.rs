@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokenmesh_proto::records::PolicyRecord;
 use tokenmesh_proto::v1;
+use tokenmesh_runtime::Readiness;
 
 /// Snapshots sampled in the background, for rates over a window.
 #[derive(Clone, Default)]
@@ -16,22 +17,31 @@ pub struct History {
     samples: Arc<Mutex<VecDeque<TimedSnapshot>>>,
 }
 
+/// The readiness condition of a control plane that cannot read etcd.
+pub const ETCD: &str = "etcd";
+
 impl History {
     /// Samples `store` every `every`, keeping `window` of history (this also
-    /// keeps the stale-read cache warm).
+    /// keeps the stale-read cache warm); each read's outcome sets the
+    /// [`ETCD`] condition of `readiness`.
     pub fn spawn(
         &self,
         store: Store,
         every: Duration,
         window: Duration,
+        readiness: Readiness,
     ) -> tokio::task::JoinHandle<()> {
         let this = self.clone();
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(every);
             loop {
                 tick.tick().await;
-                if let Ok(s) = store.read_live().await {
-                    this.record(s, window);
+                match store.read_live().await {
+                    Ok(s) => {
+                        readiness.ready(ETCD);
+                        this.record(s, window);
+                    }
+                    Err(e) => readiness.not_ready(ETCD, e.to_string()),
                 }
             }
         })

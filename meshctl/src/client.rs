@@ -19,7 +19,13 @@ pub struct ConnectArgs {
     #[arg(long, env = "TOKENMESH_TLS_DIR")]
     pub tls_dir: Option<PathBuf>,
     /// Which certificate in --tls-dir to present: client or operator.
-    #[arg(long, env = "TOKENMESH_TLS_ROLE", default_value = "client")]
+    /// `--role` is the same flag.
+    #[arg(
+        long,
+        visible_alias = "role",
+        env = "TOKENMESH_TLS_ROLE",
+        default_value = "client"
+    )]
     pub tls_role: String,
     /// Plaintext, for a router started with --insecure (development only).
     #[arg(long, env = "TOKENMESH_INSECURE", conflicts_with = "tls_dir")]
@@ -126,6 +132,7 @@ pub struct GenerateArgs {
     pub user: Option<String>,
     pub max_tokens: Option<u32>,
     pub temperature: Option<f32>,
+    pub repetition_penalty: Option<f32>,
     pub seed: Option<u64>,
 }
 
@@ -159,6 +166,7 @@ pub async fn generate(
         model,
         max_tokens: args.max_tokens,
         temperature: args.temperature,
+        repetition_penalty: args.repetition_penalty,
         seed: args.seed,
         ..Default::default()
     };

@@ -23,14 +23,15 @@ pub struct ControlArgs {
     #[arg(long, env = "TOKENMESH_TLS_DIR", global = true)]
     pub tls_dir: Option<PathBuf>,
     /// Which certificate in --tls-dir to present: operator (read and write)
-    /// or auditor (read only).
+    /// or auditor (read only). `--role` is the same flag.
     #[arg(
         long,
+        visible_alias = "role",
         env = "TOKENMESH_CONTROL_ROLE",
         default_value = "operator",
         global = true
     )]
-    pub role: String,
+    pub tls_role: String,
     /// Plaintext, for a control plane started with --insecure (development only).
     #[arg(
         long,
@@ -140,10 +141,10 @@ pub enum PolicyCmd {
 }
 
 async fn connect(args: &ControlArgs) -> anyhow::Result<ControlClient<Channel>> {
-    let dir = resolve_tls_dir(args.tls_dir.as_deref(), args.insecure, &args.role)?;
+    let dir = resolve_tls_dir(args.tls_dir.as_deref(), args.insecure, &args.tls_role)?;
     let ch = channel(
         &args.control,
-        dir.as_deref().map(|d| (d, args.role.as_str())),
+        dir.as_deref().map(|d| (d, args.tls_role.as_str())),
         "control plane",
     )
     .await?;

@@ -71,6 +71,14 @@ enum Cmd {
     },
 }
 
+/// The system message `meshctl generate` sends unless told otherwise: without
+/// one the default model's own template adds a persona of its own ("You are
+/// a helpful AI assistant named SmolLM") under which it rambles.
+const DEFAULT_SYSTEM: &str = "You are a helpful assistant. Answer concisely.";
+
+/// Defaults that suit a chat with a small model: greedy decoding (so the same
+/// question gets the same answer) with a mild repetition penalty, which keeps
+/// greedy decoding out of loops, and room for a paragraph.
 #[derive(clap::Args, Debug)]
 struct GenerateCmd {
     /// The user's chat message (rendered with the model's chat template).
@@ -80,18 +88,23 @@ struct GenerateCmd {
     /// Model name (default: the only model served).
     #[arg(long)]
     model: Option<String>,
-    /// A system message to go before the user's.
-    #[arg(long)]
-    system: Option<String>,
-    /// Raw prompt text instead of a chat message.
+    /// The system message before the user's ("" for none, which leaves the
+    /// model's chat template to its own default).
+    #[arg(long, default_value = DEFAULT_SYSTEM)]
+    system: String,
+    /// Raw prompt text instead of a chat message (no chat template, no system message).
     #[arg(long, conflicts_with = "message")]
     prompt: Option<String>,
     /// Most tokens to generate.
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = 256)]
     max_tokens: u32,
-    /// Sampling temperature (0 = greedy).
+    /// Sampling temperature (0 = greedy: the same reply every time).
     #[arg(long, default_value_t = 0.0)]
     temperature: f32,
+    /// Divides the odds of tokens already in the context, so that greedy
+    /// decoding does not loop (1 = off).
+    #[arg(long, default_value_t = 1.05)]
+    repetition_penalty: f32,
     /// Seed for reproducible sampling.
     #[arg(long)]
     seed: Option<u64>,
@@ -133,10 +146,11 @@ async fn run(cli: Cli) -> anyhow::Result<i32> {
                 client::GenerateArgs {
                     model: g.model,
                     prompt: g.prompt,
-                    system: g.system,
+                    system: Some(g.system).filter(|s| !s.is_empty()),
                     user: g.message,
                     max_tokens: Some(g.max_tokens),
                     temperature: Some(g.temperature),
+                    repetition_penalty: Some(g.repetition_penalty),
                     seed: g.seed,
                 },
                 &mut std::io::stdout(),
@@ -165,5 +179,63 @@ async fn run(cli: Cli) -> anyhow::Result<i32> {
             print!("{}", client::models_table(&resp));
             Ok(0)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Cli {
+        Cli::try_parse_from(std::iter::once("meshctl").chain(args.iter().copied()))
+            .unwrap_or_else(|e| panic!("{args:?}: {e}"))
+    }
+
+    /// The certificate role of any command that talks to the mesh.
+    fn role(cli: &Cli) -> &str {
+        match &cli.command {
+            Cmd::Generate(g) => &g.connect.tls_role,
+            Cmd::Models { connect } => &connect.tls_role,
+            Cmd::Status { control, .. }
+            | Cmd::Canary { control, .. }
+            | Cmd::Workers { control, .. }
+            | Cmd::Policy { control, .. } => &control.tls_role,
+            other => panic!("no role in {other:?}"),
+        }
+    }
+
+    #[test]
+    fn every_command_takes_tls_role_and_its_alias_role() {
+        for cmd in [
+            &["generate", "hi"][..],
+            &["models"],
+            &["status"],
+            &["canary", "get", "m"],
+            &["workers", "list"],
+            &["policy", "get", "m"],
+        ] {
+            for flag in ["--tls-role", "--role"] {
+                let mut args = cmd.to_vec();
+                args.extend([flag, "auditor"]);
+                assert_eq!(role(&parse(&args)), "auditor", "{args:?}");
+            }
+        }
+        assert_eq!(role(&parse(&["generate", "hi"])), "client");
+        assert_eq!(role(&parse(&["workers", "list"])), "operator");
+    }
+
+    #[test]
+    fn generate_defaults_suit_a_chat() {
+        let Cmd::Generate(g) = parse(&["generate", "hi"]).command else {
+            panic!("not generate")
+        };
+        assert_eq!(g.system, DEFAULT_SYSTEM);
+        assert_eq!(g.max_tokens, 256);
+        assert_eq!(g.temperature, 0.0);
+        assert!(g.repetition_penalty > 1.0);
+        let Cmd::Generate(g) = parse(&["generate", "hi", "--system", ""]).command else {
+            panic!("not generate")
+        };
+        assert!(g.system.is_empty());
     }
 }

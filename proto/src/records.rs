@@ -1,4 +1,5 @@
 //! JSON records stored in etcd and in the static discovery file.
+use crate::validate::check_name;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -64,6 +65,49 @@ fn yes() -> bool {
     true
 }
 
+/// Why a traffic policy cannot be served; the message names the field as the
+/// Control API does (`policy.canary_weight`, ...).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct InvalidPolicy(pub String);
+
+impl PolicyRecord {
+    /// The shape checks every reader and writer applies: the Control API's
+    /// SetPolicy before it writes, routers and the control plane when they
+    /// read one from etcd or a static file (where anyone may have written
+    /// it). Whether the versions have registered workers depends on the
+    /// moment and is SetPolicy's own check.
+    pub fn validate(&self) -> Result<(), InvalidPolicy> {
+        let bad = |m: String| Err(InvalidPolicy(m));
+        if self.stable.is_empty() {
+            return bad("policy.stable_version: required".into());
+        }
+        // Versions are etcd key segments and metric labels.
+        check_name("policy.stable_version", &self.stable)
+            .map_err(|e| InvalidPolicy(e.to_string()))?;
+        let Some(canary) = &self.canary else {
+            return Ok(());
+        };
+        if !canary.version.is_empty() {
+            check_name("policy.canary_version", &canary.version)
+                .map_err(|e| InvalidPolicy(e.to_string()))?;
+        }
+        if canary.weight > 100 {
+            return bad(format!(
+                "policy.canary_weight must be 0..=100, got {}",
+                canary.weight
+            ));
+        }
+        if canary.version.is_empty() {
+            return bad("policy.canary_version: required when a canary is given".into());
+        }
+        if canary.version == self.stable {
+            return bad("policy.canary_version must differ from policy.stable_version".into());
+        }
+        Ok(())
+    }
+}
+
 /// Upper bounds, in milliseconds, of the time-to-first-token buckets routers
 /// publish in [`StatsRecord`]. Same range as the Prometheus LLM buckets.
 pub const TTFT_BUCKETS_MS: &[f64] = &[
@@ -118,6 +162,32 @@ mod tests {
     fn policy_defaults_are_permissive() {
         let p: PolicyRecord = serde_json::from_str(r#"{"stable":"v1"}"#).unwrap();
         assert!(p.sticky && p.pin_allowed && p.canary.is_none());
+    }
+
+    #[test]
+    fn policies_are_checked_as_the_control_api_checks_them() {
+        let policy = |json: &str| serde_json::from_str::<PolicyRecord>(json).unwrap();
+        assert_eq!(policy(r#"{"stable":"v1"}"#).validate(), Ok(()));
+        let ok = r#"{"stable":"v1","canary":{"version":"v2","weight":100}}"#;
+        assert_eq!(policy(ok).validate(), Ok(()));
+        for (json, names) in [
+            (r#"{"stable":""}"#, "policy.stable_version"),
+            (
+                r#"{"stable":"v1","canary":{"version":"v2","weight":250}}"#,
+                "0..=100, got 250",
+            ),
+            (
+                r#"{"stable":"v1","canary":{"version":"","weight":5}}"#,
+                "policy.canary_version",
+            ),
+            (
+                r#"{"stable":"v1","canary":{"version":"v1","weight":5}}"#,
+                "must differ",
+            ),
+        ] {
+            let e = policy(json).validate().unwrap_err();
+            assert!(e.0.contains(names), "{json}: {e}");
+        }
     }
 
     #[test]

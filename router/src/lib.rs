@@ -43,6 +43,20 @@ pub async fn run(
 ) -> Result<(), RunError> {
     let tls = cfg.server.transport(Role::Router, ", also to workers")?;
     let registry = Registry::new(cfg.channel(), tls.clone());
+    let server = Server::new(
+        "router",
+        &[Role::Client, Role::Operator],
+        tls.clone(),
+        cfg.server.tls_reload(),
+    );
+    let readiness = server.readiness();
+    readiness.not_ready(
+        DISCOVERY,
+        "waiting for discovery's first view (the etcd snapshot)",
+    );
+    readiness.not_ready(WORKERS, NO_WORKER);
+    let server = server.probes(cfg.server.telemetry.metrics_listen)?;
+    let follower = tokio::spawn(follow_registry(registry.clone(), readiness));
     let (stop_stats, stats_stopped) = tokio::sync::watch::channel(false);
     let publisher = start_discovery(&cfg, &registry, tls.as_ref(), stats_stopped)?;
     // The stats are withdrawn as soon as shutdown begins; streams in flight
@@ -51,48 +65,69 @@ pub async fn run(
         shutdown.await;
         let _ = stop_stats.send(true);
     };
-    let loaded = {
-        let registry = registry.clone();
-        async move { registry.wait_loaded().await }
-    };
     let service = InferenceService::new(
         registry,
         admission::Admission::new(cfg.admission()),
         cfg.routing(),
     );
     let bound = tokenmesh_runtime::serve::bound(&listener)?;
-    Server::new(
-        "router",
-        &[Role::Client, Role::Operator],
-        tls,
-        cfg.server.tls_reload(),
-    )
-    .serving_once(loaded)
-    .configure(|server| {
-        let server = server
-            .http2_keepalive_interval(Some(Duration::from_millis(
-                cfg.server_keepalive_interval_ms,
-            )))
-            .http2_keepalive_timeout(Some(Duration::from_millis(cfg.keepalive_timeout_ms)));
-        if cfg.max_connection_age_s == 0 {
-            return server;
-        }
-        server
-            .max_connection_age(Duration::from_secs(cfg.max_connection_age_s))
-            .max_connection_age_grace(Duration::from_secs(cfg.max_connection_age_grace_s))
-    })
-    .serve(
-        InferenceServer::new(service).max_decoding_message_size(edge::MAX_REQUEST_BYTES),
-        listener,
-        format!("tokenmesh-router ready on {bound}"),
-        shutdown,
-    )
-    .await?;
+    let served = server
+        .configure(|server| {
+            let server = server
+                .http2_keepalive_interval(Some(Duration::from_millis(
+                    cfg.server_keepalive_interval_ms,
+                )))
+                .http2_keepalive_timeout(Some(Duration::from_millis(cfg.keepalive_timeout_ms)));
+            if cfg.max_connection_age_s == 0 {
+                return server;
+            }
+            server
+                .max_connection_age(Duration::from_secs(cfg.max_connection_age_s))
+                .max_connection_age_grace(Duration::from_secs(cfg.max_connection_age_grace_s))
+        })
+        .serve(
+            InferenceServer::new(service).max_decoding_message_size(edge::MAX_REQUEST_BYTES),
+            listener,
+            format!("tokenmesh-router ready on {bound}"),
+            shutdown,
+        )
+        .await;
+    follower.abort();
+    served?;
     if let Some(publisher) = publisher {
         // Let the lease revocation reach etcd before the process exits.
         let _ = tokio::time::timeout(Duration::from_secs(3), publisher).await;
     }
     Ok(())
+}
+
+/// Readiness condition: discovery's first view is not in yet.
+const DISCOVERY: &str = "discovery";
+/// Readiness condition: no worker may take a stream.
+const WORKERS: &str = "workers";
+const NO_WORKER: &str = "no ready worker";
+
+/// Keeps the router's readiness (grpc.health and `/readyz`) in step with
+/// the registry: ready once discovery has delivered its first view and while
+/// at least one worker is ready.
+async fn follow_registry(registry: Arc<Registry>, readiness: tokenmesh_runtime::Readiness) {
+    loop {
+        let loaded = registry.is_loaded();
+        if loaded {
+            readiness.ready(DISCOVERY);
+        }
+        readiness.set(
+            WORKERS,
+            match registry.ready_workers() {
+                0 => Err(NO_WORKER.into()),
+                _ => Ok(()),
+            },
+        );
+        tokio::select! {
+            _ = registry.changed() => {}
+            _ = registry.wait_loaded(), if !loaded => {}
+        }
+    }
 }
 
 /// Fills the registry from the static file, or from etcd with a watch (and

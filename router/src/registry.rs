@@ -10,6 +10,7 @@ use tokenmesh_certs::tls::{Identity, MeshTls, Role};
 use tokenmesh_proto::records::{PolicyRecord, WorkerRecord, WorkerView};
 use tokenmesh_proto::v1::worker_client::WorkerClient;
 use tokenmesh_proto::v1::StatusRequest;
+use tokio::sync::Notify;
 use tonic::transport::{Channel, Endpoint as TonicEndpoint};
 
 /// One worker as the router sees it.
@@ -111,6 +112,8 @@ pub struct Registry {
     /// True once discovery delivered its first full view (the static file,
     /// or etcd's snapshot); before it, an unknown model proves nothing.
     loaded: tokio::sync::watch::Sender<bool>,
+    /// Woken whenever a worker may have become ready or unready.
+    changes: Arc<Notify>,
 }
 
 /// Why a worker could not be added.
@@ -133,7 +136,24 @@ impl Registry {
             drained: RwLock::new(HashSet::new()),
             stats: Arc::new(Stats::default()),
             loaded: tokio::sync::watch::channel(false).0,
+            changes: Arc::new(Notify::new()),
         })
+    }
+
+    /// How many workers may take new streams now.
+    pub fn ready_workers(&self) -> usize {
+        self.workers
+            .read()
+            .expect("registry lock")
+            .values()
+            .filter(|ep| ep.ready())
+            .count()
+    }
+
+    /// Resolves after the next change that may make a worker ready or
+    /// unready (one waiter; a change before the call is not lost).
+    pub async fn changed(&self) {
+        self.changes.notified().await;
     }
 
     /// Discovery has delivered its first full view.
@@ -170,6 +190,7 @@ impl Registry {
         if let Some(ep) = self.workers.read().expect("registry lock").get(id) {
             ep.drain_requested.store(drained, Ordering::SeqCst);
         }
+        self.changes.notify_one();
         if changed {
             tracing::info!(worker = %id, drained, "drain request");
         }
@@ -182,6 +203,7 @@ impl Registry {
             ep.drain_requested.store(ids.contains(id), Ordering::SeqCst);
         }
         *set = ids;
+        self.changes.notify_one();
     }
 
     /// Adds or replaces a worker. An unchanged registration keeps its channel.
@@ -203,7 +225,8 @@ impl Registry {
             reason,
         };
         let s = &self.settings;
-        let endpoint = TonicEndpoint::from_shared(record.addr.clone())
+        let uri = dial_uri(&record.addr, self.tls.is_some()).map_err(bad)?;
+        let endpoint = TonicEndpoint::from_shared(uri)
             .map_err(|e| bad(e.to_string()))?
             .connect_timeout(s.connect_timeout)
             .http2_keep_alive_interval(s.keepalive_interval)
@@ -235,7 +258,12 @@ impl Registry {
             drain_requested: AtomicBool::new(false),
             _stop: stop_tx,
         });
-        tokio::spawn(poll_status(Arc::downgrade(&ep), s.status_interval, stop_rx));
+        tokio::spawn(poll_status(
+            Arc::downgrade(&ep),
+            s.status_interval,
+            stop_rx,
+            self.changes.clone(),
+        ));
         // Under the drain lock, so a drain request cannot slip between the
         // check and the insert.
         let drained = self.drained.read().expect("registry lock");
@@ -246,6 +274,7 @@ impl Registry {
             .write()
             .expect("registry lock")
             .insert(id.into(), ep);
+        self.changes.notify_one();
         Ok(())
     }
 
@@ -259,6 +288,7 @@ impl Registry {
             .is_some()
         {
             tracing::info!(worker = %id, "worker removed");
+            self.changes.notify_one();
         }
     }
 
@@ -268,6 +298,7 @@ impl Registry {
             .write()
             .expect("registry lock")
             .retain(|id, _| keep.contains(id));
+        self.changes.notify_one();
     }
 
     /// Sets or clears a model's traffic policy.
@@ -282,6 +313,15 @@ impl Registry {
                 p.remove(model);
             }
         }
+    }
+
+    /// A model's traffic policy, if it has one.
+    pub fn policy(&self, model: &str) -> Option<PolicyRecord> {
+        self.policies
+            .read()
+            .expect("registry lock")
+            .get(model)
+            .cloned()
     }
 
     /// Keeps only the listed policies (after a full resynchronisation).
@@ -376,15 +416,44 @@ impl WorkerViews for Registry {
     }
 }
 
+/// The URI tonic dials for a registered address. TLS towards workers is
+/// decided by the router's own flags, not by the address: under mutual TLS
+/// the connector wraps the TCP stream itself, so `https://` (what a user of
+/// an mTLS mesh naturally writes) and `http://` both dial it; a plaintext
+/// router refuses `https://`, which would promise an encryption it does not
+/// do. A bare `HOST:PORT` is taken as `http://`.
+pub fn dial_uri(addr: &str, tls: bool) -> Result<String, String> {
+    let (scheme, rest) = match addr.split_once("://") {
+        Some((scheme, rest)) => (Some(scheme.to_ascii_lowercase()), rest),
+        None => (None, addr),
+    };
+    match scheme.as_deref() {
+        None | Some("http") => Ok(format!("http://{rest}")),
+        Some("https") if tls => Ok(format!("http://{rest}")),
+        Some("https") => Err(
+            "https:// but this router runs --insecure, in plaintext to its workers; \
+             write http:// or start the router with --tls-dir"
+                .into(),
+        ),
+        Some(other) => Err(format!(
+            "scheme {other}:// is not supported; write http://HOST:PORT or https://HOST:PORT"
+        )),
+    }
+}
+
 /// Polls a worker's Status until the endpoint is dropped: health, load and
-/// draining come from here.
+/// draining come from here. Each change of health is logged once, a worker
+/// that never answers included, with the error.
 async fn poll_status(
     ep: std::sync::Weak<Endpoint>,
     every: std::time::Duration,
     mut stop: tokio::sync::oneshot::Receiver<()>,
+    changes: Arc<Notify>,
 ) {
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // What was last logged: None until the first poll has answered or failed.
+    let mut logged: Option<bool> = None;
     loop {
         tokio::select! {
             _ = tick.tick() => {}
@@ -400,19 +469,50 @@ async fn poll_status(
                 metrics::gauge!("llm_queue_depth", &ep.labels()).set(s.queue_depth as f64);
                 metrics::gauge!("llm_endpoint_healthy", &ep.labels()).set(1.0);
                 ep.reported_queue.store(s.queue_depth, Ordering::SeqCst);
-                ep.draining.store(s.draining, Ordering::SeqCst);
-                if !ep.healthy.swap(true, Ordering::SeqCst) {
+                let was_draining = ep.draining.swap(s.draining, Ordering::SeqCst);
+                let was_healthy = ep.healthy.swap(true, Ordering::SeqCst);
+                if !was_healthy || was_draining != s.draining {
+                    changes.notify_one();
+                }
+                if logged != Some(true) {
                     tracing::info!(worker = %ep.id, "worker healthy");
+                    logged = Some(true);
                 }
             }
             Err(e) => {
                 metrics::gauge!("llm_endpoint_healthy", &ep.labels()).set(0.0);
                 if ep.healthy.swap(false, Ordering::SeqCst) {
-                    tracing::warn!(worker = %ep.id, error = %e.message(), "worker unhealthy");
+                    changes.notify_one();
+                }
+                if logged != Some(false) {
+                    tracing::warn!(
+                        worker = %ep.id,
+                        addr = %ep.record.addr,
+                        code = ?e.code(),
+                        error = %error_chain(&e),
+                        "worker unhealthy: its status poll failed; no streams go to it until it answers"
+                    );
+                    logged = Some(false);
                 }
             }
         }
     }
+}
+
+/// A status's message and the errors beneath it ("transport error" alone
+/// says nothing about a refused connection or a wrong certificate).
+fn error_chain(e: &tonic::Status) -> String {
+    let mut out = e.message().to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        let s_text = s.to_string();
+        if !out.contains(&s_text) {
+            out.push_str(": ");
+            out.push_str(&s_text);
+        }
+        source = s.source();
+    }
+    out
 }
 
 /// Registries and endpoints for unit tests: no worker behind them, and a
@@ -470,6 +570,37 @@ mod tests {
 
     fn add(reg: &Registry, id: &str) -> Arc<Endpoint> {
         add_to(reg, id, "m", "v1", true)
+    }
+
+    #[test]
+    fn the_router_s_flags_not_the_address_decide_tls() {
+        let tls = true;
+        for addr in ["https://w:1", "HTTPS://w:1", "http://w:1", "w:1"] {
+            assert_eq!(dial_uri(addr, tls).as_deref(), Ok("http://w:1"), "{addr}");
+        }
+        assert_eq!(dial_uri("http://w:1", !tls).as_deref(), Ok("http://w:1"));
+        let refused = dial_uri("https://w:1", !tls).unwrap_err();
+        assert!(refused.contains("--insecure"), "{refused}");
+        let refused = dial_uri("grpc://w:1", tls).unwrap_err();
+        assert!(refused.contains("grpc://"), "{refused}");
+    }
+
+    #[tokio::test]
+    async fn ready_workers_counts_and_changes_wake_the_watcher() {
+        let reg = registry();
+        assert_eq!(reg.ready_workers(), 0);
+        let ep = add(&reg, "w1");
+        // The add woke it; a drain key does too.
+        tokio::time::timeout(std::time::Duration::from_secs(1), reg.changed())
+            .await
+            .expect("the add is a change");
+        assert_eq!(reg.ready_workers(), 1);
+        reg.set_drain("w1", true);
+        tokio::time::timeout(std::time::Duration::from_secs(1), reg.changed())
+            .await
+            .expect("the drain key is a change");
+        assert_eq!(reg.ready_workers(), 0);
+        assert!(!ep.ready());
     }
 
     #[tokio::test]

@@ -1,7 +1,8 @@
 //! What every tokenmesh server shares, so each process crate holds only its
 //! own logic: start-up ([`serve`]: health, reflection, the authorization
 //! layer, TLS or plaintext, graceful shutdown; [`edge`]: client statuses for
-//! requests that do not decode or are too large), the common flags
+//! requests that do not decode or are too large), readiness ([`readiness`],
+//! which drives grpc.health and the plaintext probes of [`probes`]), the common flags
 //! ([`args::ServerArgs`]), etcd connections and leases ([`etcd`],
 //! [`lease`]), backoff with jitter ([`backoff`]) and telemetry set-up
 //! ([`telemetry`]). No business logic lives here.
@@ -12,6 +13,8 @@ pub mod backoff;
 pub mod edge;
 pub mod etcd;
 pub mod lease;
+pub mod probes;
+pub mod readiness;
 pub mod reflection;
 pub mod serve;
 pub mod shutdown;
@@ -20,6 +23,7 @@ pub mod telemetry;
 
 pub use args::ServerArgs;
 pub use backoff::Backoff;
+pub use readiness::Readiness;
 pub use serve::{ServeError, Server};
 pub use shutdown::shutdown_signal;
 pub use start::{start, StartError};

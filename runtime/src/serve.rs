@@ -1,9 +1,13 @@
 //! Start-up every tokenmesh server shares: gRPC health and reflection beside
 //! the process's own service, the authorization layer that admits callers by
 //! the role in their certificate, mutual TLS with reloadable certificates or
-//! plaintext, and graceful shutdown.
+//! plaintext, graceful shutdown, and the plaintext probe listener. One
+//! [`Readiness`] drives both grpc.health and `/readyz`.
+use crate::probes::{ProbeError, Probes};
+use crate::readiness::{Readiness, ReadinessWatch};
 use std::convert::Infallible;
 use std::future::Future;
+use std::net::SocketAddr;
 use std::time::Duration;
 use tokenmesh_certs::tls::{AuthLayer, MeshTls, Role, TlsError};
 use tokio::net::TcpListener;
@@ -25,6 +29,8 @@ pub enum ServeError {
     Serve(#[from] tonic::transport::Error),
     #[error("listener: {0}")]
     Listener(std::io::Error),
+    #[error(transparent)]
+    Probes(#[from] ProbeError),
 }
 
 /// The address `listener` is bound to, for the ready line and registrations.
@@ -40,8 +46,11 @@ pub struct Server {
     tls_reload: Duration,
     builder: tonic::transport::Server,
     health: HealthReporter,
-    /// Until it resolves, grpc.health reports NOT_SERVING.
-    ready: Option<std::pin::Pin<Box<dyn Future<Output = ()> + Send>>>,
+    /// SERVING on grpc.health and 200 on `/readyz` exactly when ready.
+    readiness: Readiness,
+    /// The `--metrics-listen` listener, from [`Server::probes`] until the
+    /// server has stopped.
+    probes: Option<Probes>,
 }
 
 impl Server {
@@ -62,15 +71,20 @@ impl Server {
             tls_reload,
             builder: tonic::transport::Server::builder(),
             health: HealthReporter::new(),
-            ready: None,
+            readiness: Readiness::new(),
+            probes: None,
         }
     }
 
-    /// Reports NOT_SERVING on grpc.health, for the server and its service,
-    /// until `ready` resolves (a router before its first discovery view).
-    pub fn serving_once(mut self, ready: impl Future<Output = ()> + Send + 'static) -> Self {
-        self.ready = Some(Box::pin(ready));
-        self
+    /// Serves `/metrics`, `/healthz` and `/readyz` on `addr`
+    /// (`--metrics-listen`) from now until the server has stopped, so a
+    /// worker loading its model is already alive (and not ready).
+    pub fn probes(mut self, addr: Option<SocketAddr>) -> Result<Self, ServeError> {
+        if let Some(addr) = addr {
+            let metrics = crate::telemetry::metrics_handle();
+            self.probes = Some(Probes::listen(addr, self.readiness.clone(), metrics)?);
+        }
+        Ok(self)
     }
 
     /// Adjusts the HTTP/2 server (keepalive, connection age, …).
@@ -82,10 +96,11 @@ impl Server {
         self
     }
 
-    /// The health reporter, for a process that changes its status while it
-    /// runs (a draining worker reports NOT_SERVING).
-    pub fn health(&self) -> HealthReporter {
-        self.health.clone()
+    /// The server's readiness: each part of the process sets the conditions
+    /// that hold it back (loading, draining, no discovery view yet, ...);
+    /// grpc.health and `/readyz` follow it. Ready unless a condition is set.
+    pub fn readiness(&self) -> Readiness {
+        self.readiness.clone()
     }
 
     /// Whether the server runs mutual TLS.
@@ -93,14 +108,16 @@ impl Server {
         self.tls.is_some()
     }
 
-    /// Serves `service` (reported SERVING on grpc.health), health and
-    /// reflection on `listener` until `shutdown` resolves. `service` comes
-    /// with its request-size limit set ([`crate::edge::MAX_REQUEST_BYTES`],
-    /// a worker's [`crate::edge::MAX_WORKER_REQUEST_BYTES`]); health and
-    /// reflection get the former, and [`crate::edge::layer`] turns refusals
-    /// of undecodable or oversize requests into client statuses. Prints `ready` and
-    /// the transport on stdout once the listener accepts, the line launchers
-    /// and operators wait for.
+    /// Serves `service`, health and reflection on `listener` until
+    /// `shutdown` resolves; grpc.health reports the server and `service`
+    /// SERVING while the readiness says ready, NOT_SERVING otherwise.
+    /// `service` comes with its request-size limit set
+    /// ([`crate::edge::MAX_REQUEST_BYTES`], a worker's
+    /// [`crate::edge::MAX_WORKER_REQUEST_BYTES`]); health and reflection get
+    /// the former, and [`crate::edge::layer`] turns refusals of undecodable or
+    /// oversize requests into client statuses. Prints `ready` and the
+    /// transport on stdout once the listener accepts, the line launchers and
+    /// operators wait for.
     pub async fn serve<S>(
         self,
         service: S,
@@ -117,29 +134,10 @@ impl Server {
             + 'static,
         S::Future: Send + 'static,
     {
-        match self.ready {
-            None => {
-                self.health
-                    .set_service_status(S::NAME, ServingStatus::Serving)
-                    .await
-            }
-            Some(ready) => {
-                for name in ["", S::NAME] {
-                    self.health
-                        .set_service_status(name, ServingStatus::NotServing)
-                        .await;
-                }
-                let health = self.health.clone();
-                tokio::spawn(async move {
-                    ready.await;
-                    for name in ["", S::NAME] {
-                        health
-                            .set_service_status(name, ServingStatus::Serving)
-                            .await;
-                    }
-                });
-            }
-        }
+        let _probes = self.probes;
+        let mut readiness = self.readiness.subscribe();
+        report(&self.health, S::NAME, readiness.current()).await;
+        let follower = tokio::spawn(follow(self.health.clone(), S::NAME, readiness));
         let (reflection_v1, reflection_v1alpha) = crate::reflection::reflection();
         let limit = crate::edge::MAX_REQUEST_BYTES;
         let routes = self
@@ -165,19 +163,45 @@ impl Server {
                     )
                     .await;
                 watcher.abort();
+                follower.abort();
                 served?;
             }
             None => {
                 println!("{ready} (plaintext)");
-                routes
+                let served = routes
                     .serve_with_incoming_shutdown(
                         // Without TCP_NODELAY small HTTP/2 frames wait on Nagle.
                         TcpIncoming::from(listener).with_nodelay(Some(true)),
                         shutdown,
                     )
-                    .await?;
+                    .await;
+                follower.abort();
+                served?;
             }
         }
         Ok(())
+    }
+}
+
+/// Sets grpc.health of the server ("") and `service` from `state`.
+async fn report(health: &HealthReporter, service: &'static str, state: Result<(), String>) {
+    let status = match state {
+        Ok(()) => ServingStatus::Serving,
+        Err(_) => ServingStatus::NotServing,
+    };
+    for name in ["", service] {
+        health.set_service_status(name, status).await;
+    }
+}
+
+/// Keeps grpc.health in step with the readiness, logging each change.
+async fn follow(health: HealthReporter, service: &'static str, mut readiness: ReadinessWatch) {
+    while readiness.changed().await {
+        let state = readiness.current();
+        match &state {
+            Ok(()) => tracing::info!("ready"),
+            Err(reason) => tracing::info!(%reason, "not ready"),
+        }
+        report(&health, service, state).await;
     }
 }

@@ -5,9 +5,10 @@
 //! batch exporter runs in the background, so a collector that is down costs
 //! dropped spans, never a slower or failed request. Sampling follows the
 //! standard `OTEL_TRACES_SAMPLER` / `OTEL_TRACES_SAMPLER_ARG` variables
-//! (default: parent-based, always on). Metrics are Prometheus text on their own
-//! listener.
-use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+//! (default: parent-based, always on). Metrics are recorded for Prometheus
+//! when `--metrics-listen` is given; the listener itself, which also answers
+//! the health probes, is [`crate::probes`].
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator};
 use opentelemetry::trace::{TraceContextExt, TracerProvider as _};
 use opentelemetry::Context;
@@ -16,6 +17,8 @@ use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::SdkTracerProvider;
 use opentelemetry_sdk::Resource;
 use std::net::SocketAddr;
+use std::sync::OnceLock;
+use std::time::Duration;
 use tonic::metadata::{KeyAndValueRef, MetadataKey, MetadataMap, MetadataValue};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 use tracing_subscriber::layer::SubscriberExt;
@@ -41,7 +44,10 @@ pub struct TelemetryArgs {
     /// OTLP/gRPC endpoint that receives traces, e.g. http://jaeger:4317 (absent or empty: no export).
     #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
     pub otlp_endpoint: Option<String>,
-    /// Address that serves Prometheus metrics at /metrics (absent: no metrics listener).
+    /// Plaintext HTTP address that serves Prometheus metrics at /metrics and
+    /// the health probes GET /healthz (alive) and GET /readyz (200 when ready
+    /// to serve, else 503 and why), for probes that hold no mesh certificate
+    /// (absent: no such listener).
     #[arg(long, env = "TOKENMESH_METRICS_LISTEN")]
     pub metrics_listen: Option<SocketAddr>,
 }
@@ -51,8 +57,8 @@ pub struct TelemetryArgs {
 pub enum TelemetryError {
     #[error("OTLP exporter: {0}")]
     Exporter(String),
-    #[error("metrics listener {addr}: {message}")]
-    Metrics { addr: SocketAddr, message: String },
+    #[error("metrics recorder: {0}")]
+    Metrics(String),
     #[error("log filter {filter:?}: {message}")]
     Filter { filter: String, message: String },
 }
@@ -79,8 +85,20 @@ pub const LATENCY_BUCKETS: &[f64] = &[
 /// Batch size buckets.
 pub const BATCH_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0];
 
-/// Installs logging, tracing export and the metrics listener. Call once,
-/// inside the tokio runtime.
+/// The process's Prometheus recorder, once [`init`] installed it.
+static METRICS: OnceLock<PrometheusHandle> = OnceLock::new();
+
+/// How often histogram samples are folded into their buckets.
+const METRICS_UPKEEP: Duration = Duration::from_secs(5);
+
+/// What `/metrics` renders: the recorder [`init`] installed for
+/// `--metrics-listen`, if any (metrics are process-global, like the recorder).
+pub fn metrics_handle() -> Option<PrometheusHandle> {
+    METRICS.get().cloned()
+}
+
+/// Installs logging, tracing export and, with `--metrics-listen`, the
+/// metrics recorder. Call once, inside the tokio runtime.
 pub fn init(service: &str, args: &TelemetryArgs) -> Result<TelemetryGuard, TelemetryError> {
     // The exporter's own gRPC client must not trace itself.
     let filter_str = format!(
@@ -138,19 +156,25 @@ pub fn init(service: &str, args: &TelemetryArgs) -> Result<TelemetryGuard, Telem
         .with(fmt_layer.with_filter(filter))
         .init();
 
-    if let Some(addr) = args.metrics_listen {
-        let err = |e: metrics_exporter_prometheus::BuildError| TelemetryError::Metrics {
-            addr,
-            message: e.to_string(),
-        };
-        PrometheusBuilder::new()
-            .with_http_listener(addr)
+    if args.metrics_listen.is_some() {
+        let err =
+            |e: metrics_exporter_prometheus::BuildError| TelemetryError::Metrics(e.to_string());
+        let handle = PrometheusBuilder::new()
             .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), LATENCY_BUCKETS)
             .map_err(err)?
             .set_buckets_for_metric(Matcher::Full("llm_batch_size".into()), BATCH_BUCKETS)
             .map_err(err)?
-            .install()
+            .install_recorder()
             .map_err(err)?;
+        let upkeep = handle.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(METRICS_UPKEEP);
+            loop {
+                tick.tick().await;
+                upkeep.run_upkeep();
+            }
+        });
+        let _ = METRICS.set(handle);
     }
     Ok(TelemetryGuard { provider })
 }

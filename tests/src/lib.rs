@@ -22,7 +22,7 @@ pub use mesh::{
     etcd_router, real_worker, static_file, static_router, wait_idle, RouterProc, WorkerOpts,
     WorkerProc,
 };
-pub use metrics::{scrape, scrape_text, series_names};
+pub use metrics::{http_get, scrape, scrape_text, series_names};
 pub use model::{model_path, MODEL};
 pub use pki::{channel, Creds, Pki};
 pub use process::{bin, bin_dir, eventually, free_port, Proc};

@@ -1,23 +1,37 @@
-//! Scraping a process's Prometheus `/metrics` listener, as Prometheus would.
+//! The plaintext listener of `--metrics-listen`, as Prometheus and platform
+//! probes use it: `/metrics` scraped, `/healthz` and `/readyz` asked.
 use anyhow::{Context, Result};
 use std::collections::BTreeSet;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-/// The body of `GET /metrics` on `addr` (`host:port`), over plain HTTP/1.1.
-pub async fn scrape_text(addr: &str) -> Result<String> {
+/// `GET path` on `addr` (`host:port`) over plain HTTP/1.1, as a probe with no
+/// client certificate sends it: the status code and the body.
+pub async fn http_get(addr: &str, path: &str) -> Result<(u16, String)> {
     let mut s = tokio::net::TcpStream::connect(addr)
         .await
         .with_context(|| format!("connecting to the metrics listener {addr}"))?;
     s.write_all(
-        format!("GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes(),
+        format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes(),
     )
     .await?;
-    let mut body = String::new();
-    s.read_to_string(&mut body).await?;
-    Ok(body
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).await?;
+    let (head, body) = answer
         .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default())
+        .with_context(|| format!("GET {path} on {addr}: no HTTP answer: {answer:?}"))?;
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .with_context(|| format!("GET {path} on {addr}: no status in {head:?}"))?;
+    Ok((status, body.to_string()))
+}
+
+/// The body of `GET /metrics` on `addr` (`host:port`).
+pub async fn scrape_text(addr: &str) -> Result<String> {
+    let (status, body) = http_get(addr, "/metrics").await?;
+    anyhow::ensure!(status == 200, "GET /metrics on {addr}: {status} {body}");
+    Ok(body)
 }
 
 /// `GET /metrics` on `addr`, parsed.

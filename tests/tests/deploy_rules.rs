@@ -3,7 +3,8 @@
 //! and every metric the Grafana dashboard and the rules query is one that a
 //! real router and worker export: both are started, serve a request and a
 //! refused one, and their `/metrics` are scraped. Renaming a metric in code,
-//! or moving it from one process to the other, fails this test.
+//! or moving it from one process to the other, fails this test. The compose
+//! file's health checks ask each process's `/readyz`.
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::process::Command;
@@ -439,5 +440,45 @@ async fn dashboard_and_rules_query_only_exported_metrics() {
         problems.is_empty(),
         "queried but not exported:\n{}\n\nexported: {scraped:#?}",
         problems.join("\n")
+    );
+}
+
+/// Every tokenmesh process in the compose file is health-checked through
+/// `GET /readyz` on its own plaintext metrics listener
+/// (`tokenmesh-entrypoint ready PORT`), never by a TLS handshake with its
+/// gRPC port, which a draining worker still completes; the command itself is
+/// run against real processes in tests/tests/health.rs.
+#[test]
+fn compose_health_checks_ask_each_process_s_readyz() {
+    let compose = std::fs::read_to_string(deploy().join("docker-compose.yml")).unwrap();
+    let metrics_ports: BTreeSet<String> = compose
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("TOKENMESH_METRICS_LISTEN: 0.0.0.0:"))
+        .map(str::to_string)
+        .collect();
+    assert_eq!(
+        metrics_ports,
+        BTreeSet::from(["9464".into(), "9465".into(), "9466".into()]),
+        "router, worker and control plane each have a metrics listener"
+    );
+    let checks: Vec<&str> = compose
+        .lines()
+        .filter(|l| l.trim().starts_with("test:") && l.contains("tokenmesh-entrypoint"))
+        .collect();
+    let ready_ports: BTreeSet<String> = checks
+        .iter()
+        .map(|l| {
+            let rest = l
+                .split_once(r#""tokenmesh-entrypoint", "ready", ""#)
+                .unwrap_or_else(|| panic!("not a /readyz check: {l}"))
+                .1;
+            rest.split('"').next().unwrap().to_string()
+        })
+        .collect();
+    assert_eq!(ready_ports, metrics_ports, "{checks:#?}");
+    let entrypoint = std::fs::read_to_string(deploy().join("entrypoint.sh")).unwrap();
+    assert!(
+        entrypoint.contains("GET /readyz"),
+        "entrypoint.sh's ready check"
     );
 }

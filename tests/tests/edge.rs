@@ -71,6 +71,7 @@ async fn undecodable_and_oversize_requests_get_client_statuses() {
     let worker_ok = WorkerGenerateRequest {
         request: Some(ok.clone()),
         emitted_token_ids: vec![],
+        ..Default::default()
     };
     let undecodable: Vec<(&str, &'static str, Vec<u8>)> = vec![
         (
@@ -340,6 +341,7 @@ async fn client_strings_and_sampling_fields_are_bounded() {
         let direct = WorkerGenerateRequest {
             request: Some(req),
             emitted_token_ids: vec![],
+            ..Default::default()
         };
         let err = match worker.generate(direct).await {
             Ok(mut s) => s.get_mut().message().await.expect_err(what),

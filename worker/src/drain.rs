@@ -1,14 +1,13 @@
 //! Draining: on SIGTERM or the worker's drain key, stop taking work, report
-//! NOT_SERVING, deregister, let in-flight streams finish (bounded by the
+//! not ready (NOT_SERVING on grpc.health, 503 on /readyz), deregister, let in-flight streams finish (bounded by the
 //! drain timeout), then let the server stop.
 use crate::drain_key::DrainKey;
 use crate::scheduler::EngineStats;
-use crate::server::WorkerService;
 use std::future::Future;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokenmesh_proto::v1::worker_server::WorkerServer;
+use tokenmesh_runtime::Readiness;
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 
@@ -21,7 +20,8 @@ pub struct Drain {
     /// After a drain key: stay up, drained, until stopped.
     pub stay_drained: bool,
     pub stats: Arc<EngineStats>,
-    pub health: tonic_health::server::HealthReporter,
+    /// Set not ready for the whole drain.
+    pub readiness: Readiness,
     /// Tells the registration task to delete the key and revoke the lease.
     pub deregister: watch::Sender<bool>,
     pub registration: Option<JoinHandle<()>>,
@@ -46,9 +46,7 @@ impl Drain {
         };
         tracing::info!("draining: no new requests; finishing in-flight streams");
         self.stats.draining.store(true, Ordering::SeqCst);
-        self.health
-            .set_not_serving::<WorkerServer<WorkerService>>()
-            .await;
+        self.readiness.not_ready("drain", "draining");
         let _ = self.deregister.send(true);
         self.wait_for_streams().await;
         if let Some(reg) = self.registration {

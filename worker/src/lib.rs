@@ -62,6 +62,9 @@ pub enum RunError {
     Name(#[from] tokenmesh_proto::validate::InvalidField),
 }
 
+/// The readiness condition of a worker whose model is still loading.
+const LOADING: &str = "model";
+
 /// A running engine and what the worker reports about it.
 struct StartedEngine {
     model: Arc<dyn request::PromptModel>,
@@ -225,12 +228,23 @@ pub async fn run(
     if let Some(name) = &cfg.model_name {
         check_name("--model-name", name)?;
     }
+    let etcd_tls = cfg.server.etcd_tls(tls.as_ref());
+    let server = Server::new("worker", &[Role::Router], tls, cfg.server.tls_reload());
+    // Alive (/healthz) while the model loads, ready once it has loaded, is
+    // registered (with etcd) and is not draining.
+    let readiness = server.readiness();
+    readiness.not_ready(LOADING, "loading the model");
+    if !cfg.server.etcd.is_empty() {
+        readiness.not_ready(registration::CONDITION, "not registered in etcd yet");
+    }
+    let server = server.probes(cfg.server.telemetry.metrics_listen)?;
     let started = start_engine(&cfg, &worker_id).await?;
     check_name("--model-name", &started.model_name).map_err(|mut e| {
         e.reason
             .push_str(" (the name was taken from the model file; give --model-name)");
         e
     })?;
+    readiness.ready(LOADING);
     let identity = WorkerIdentity {
         worker_id,
         model_name: started.model_name,
@@ -250,11 +264,9 @@ pub async fn run(
         cfg.default_max_tokens,
     );
     let bound = tokenmesh_runtime::serve::bound(&listener)?;
-    let etcd_tls = cfg.server.etcd_tls(tls.as_ref());
-    let server = Server::new("worker", &[Role::Router], tls, cfg.server.tls_reload());
     let (deregister_tx, deregister_rx) = watch::channel(false);
     let registration = registration_of(&cfg, &identity, &started.digest, bound, etcd_tls.clone())
-        .map(|reg| tokio::spawn(registration::run(reg, deregister_rx)));
+        .map(|reg| tokio::spawn(registration::run(reg, readiness.clone(), deregister_rx)));
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let drain = drain::Drain {
         key: (!cfg.server.etcd.is_empty()).then(|| drain_key::DrainKey {
@@ -265,7 +277,7 @@ pub async fn run(
         timeout: Duration::from_secs(cfg.drain_timeout),
         stay_drained: cfg.stay_drained,
         stats: engine.stats().clone(),
-        health: server.health(),
+        readiness,
         deregister: deregister_tx,
         registration,
     };

@@ -9,8 +9,11 @@ use etcd_client::PutOptions;
 use std::time::Duration;
 use tokenmesh_runtime::etcd;
 use tokenmesh_runtime::lease::KeptLease;
-use tokenmesh_runtime::Backoff;
+use tokenmesh_runtime::{Backoff, Readiness};
 use tokio::sync::watch;
+
+/// The readiness condition of a worker that is not registered in etcd.
+pub const CONDITION: &str = "etcd";
 
 /// Where and how to register.
 #[derive(Clone, Debug)]
@@ -24,8 +27,13 @@ pub struct RegistrationConfig {
     pub tls: Option<tokenmesh_certs::tls::TlsPaths>,
 }
 
-/// Keeps the registration alive until `shutdown` turns true, then removes it.
-pub async fn run(cfg: RegistrationConfig, mut shutdown: watch::Receiver<bool>) {
+/// Keeps the registration alive until `shutdown` turns true, then removes it;
+/// `readiness` holds the worker back while it is not registered.
+pub async fn run(
+    cfg: RegistrationConfig,
+    readiness: Readiness,
+    mut shutdown: watch::Receiver<bool>,
+) {
     if cfg.endpoints.is_empty() {
         return;
     }
@@ -39,9 +47,10 @@ pub async fn run(cfg: RegistrationConfig, mut shutdown: watch::Receiver<bool>) {
         }
         let endpoint = &cfg.endpoints[attempt % cfg.endpoints.len()];
         let mut registered = false;
-        match register_once(&cfg, endpoint, &mut registered, &mut shutdown).await {
+        match register_once(&cfg, endpoint, &readiness, &mut registered, &mut shutdown).await {
             Ok(()) => return,
             Err(e) => {
+                readiness.not_ready(CONDITION, format!("not registered in etcd: {e}"));
                 tracing::warn!(error = %e, key = %cfg.key, endpoint = %endpoint, "etcd registration lost; retrying on the next endpoint");
             }
         }
@@ -58,6 +67,7 @@ pub async fn run(cfg: RegistrationConfig, mut shutdown: watch::Receiver<bool>) {
 async fn register_once(
     cfg: &RegistrationConfig,
     endpoint: &str,
+    readiness: &Readiness,
     registered: &mut bool,
     shutdown: &mut watch::Receiver<bool>,
 ) -> Result<(), etcd_client::Error> {
@@ -72,6 +82,7 @@ async fn register_once(
         .await?;
     tracing::info!(key = %cfg.key, lease = lease.id(), ttl = cfg.ttl.as_secs(), endpoint, "registered in etcd");
     *registered = true;
+    readiness.ready(CONDITION);
     loop {
         tokio::select! {
             _ = lease.due() => lease.renew().await?,

@@ -17,8 +17,8 @@ pub struct TlsArgs {
     #[arg(long)]
     pub tls_dir: Option<PathBuf>,
     /// Which certificate in --tls-dir to present: client or operator to a
-    /// router, router to a worker with --direct.
-    #[arg(long, default_value = "client")]
+    /// router, router to a worker with --direct. `--role` is the same flag.
+    #[arg(long, visible_alias = "role", default_value = "client")]
     pub tls_role: String,
 }
 

@@ -168,16 +168,24 @@ fn apply_worker_put(keys: &Keys, registry: &Registry, key: &str, value: &[u8]) -
     }
 }
 
+/// Applies a policy key if it parses and passes the Control API's own checks
+/// ([`PolicyRecord::validate`]: anyone with etcd access may have written
+/// it); otherwise keeps the previous policy and says why. The model, when
+/// the registry knows a policy for it afterwards (so a resynchronisation
+/// keeps the last good one).
 fn apply_policy_put(keys: &Keys, registry: &Registry, key: &str, value: &[u8]) -> Option<String> {
     let model = keys.parse_policy(key)?;
-    match serde_json::from_slice::<PolicyRecord>(value) {
-        Ok(p) => {
-            registry.set_policy(model, Some(p));
-            Some(model.to_string())
-        }
-        Err(e) => {
-            tracing::warn!(key, error = %e, "ignoring malformed traffic policy; keeping the previous one");
-            None
-        }
-    }
+    let refused = match serde_json::from_slice::<PolicyRecord>(value) {
+        Ok(p) => match p.validate() {
+            Ok(()) => {
+                registry.set_policy(model, Some(p));
+                return Some(model.to_string());
+            }
+            Err(e) => e.to_string(),
+        },
+        Err(e) => format!("malformed JSON: {e}"),
+    };
+    let keeping = registry.policy(model);
+    tracing::warn!(key, error = %refused, previous = ?keeping, "ignoring invalid traffic policy; keeping the previous one");
+    keeping.map(|_| model.to_string())
 }

@@ -64,6 +64,9 @@ pub fn load(path: &Path, registry: &Registry) -> Result<(), DiscoveryError> {
             .map_err(|e| parse(e.to_string()))?;
     }
     for (model, policy) in file.models {
+        policy
+            .validate()
+            .map_err(|e| parse(format!("models.{model:?}: {e}")))?;
         registry.set_policy(&model, Some(policy));
     }
     registry.mark_loaded();
