@@ -103,12 +103,22 @@ fn pick_nucleus(logits: &[f32], inv_t: f32, top_p: f32, r: u64) -> Option<u32> {
         }
         let need = nucleus_threshold(top_p, total);
         let weight = |&k: &u64| units(w[id_of(k) as usize]);
-        // The tokens within NEAR of the best (in (logit - max) / T) are a
-        // prefix of the ranking; when they reach `need`, the nucleus is among
-        // them. Tokens of zero weight change no prefix's weight: left out.
-        candidates(logits, w, |l| (l - max) * inv_t >= -NEAR, keys);
-        if keys.iter().map(weight).sum::<u64>() < need {
-            candidates(logits, w, |_| true, keys);
+        // The tokens within some depth of the best are a prefix of the
+        // ranking; once they reach `need`, the nucleus is among them. Tokens
+        // of zero weight change no prefix's weight: left out.
+        let depth = |l: f32| (l - max) * inv_t;
+        // (Within FAR every weight is far above zero.)
+        let near = candidates(
+            logits,
+            w,
+            |l, _| depth(l) >= -FAR,
+            |l| depth(l) >= -NEAR,
+            keys,
+        );
+        if near >= need {
+            keys.retain(|&k| depth(logit_of(k)) >= -NEAR);
+        } else if keys.iter().map(weight).sum::<u64>() < need {
+            candidates(logits, w, |_, x| x > 0.0, |_| false, keys);
         }
         let last = prefix_reaching(keys, need, |&k| k, weight, FIRST_NUCLEUS_GUESS);
         keys.truncate(last + 1);
@@ -116,22 +126,34 @@ fn pick_nucleus(logits: &[f32], inv_t: f32, top_p: f32, r: u64) -> Option<u32> {
     })
 }
 
-/// How far below the best token (in nats of weight) the nucleus search
-/// looks first: the rest weighs at most e^-16 each, under 0.6% of the total
-/// over a 49,152-token vocabulary, so a nucleus of top_p ≤ 0.99 lies within.
-const NEAR: f32 = 16.0;
+/// How far below the best token (in nats of weight: (logit - max) / T) the
+/// nucleus search looks: first within NEAR, where the nuclei of everyday
+/// settings lie (a few hundred tokens); then within FAR (each token beyond
+/// weighs at most e^-16: under 0.6% of the total over a 49,152-token
+/// vocabulary); then everywhere.
+const NEAR: f32 = 8.0;
+const FAR: f32 = 16.0;
 
-/// Fills `keys` with the rank keys of the tokens of nonzero weight that
-/// `keep` (by logit) keeps.
-fn candidates(logits: &[f32], w: &[f32], keep: impl Fn(f32) -> bool, keys: &mut Vec<u64>) {
+/// Fills `keys` with the rank keys of the tokens that `keep` (by logit and
+/// weight) keeps; returns the weight, in units, of those `near` keeps too.
+fn candidates(
+    logits: &[f32],
+    w: &[f32],
+    keep: impl Fn(f32, f32) -> bool,
+    near: impl Fn(f32) -> bool,
+    keys: &mut Vec<u64>,
+) -> u64 {
     keys.clear();
-    // `keep` first: it rejects most tokens, predictably; about half of them
-    // have a weight, unpredictably.
+    let mut near_mass = 0;
     for (id, (&l, &x)) in logits.iter().zip(w).enumerate() {
-        if keep(l) && x > 0.0 {
+        if keep(l, x) {
             keys.push(rank_key(l, id as u32));
+            if near(l) {
+                near_mass += units(x);
+            }
         }
     }
+    near_mass
 }
 
 /// Top-k (then top-p among those): the `k` best by rank, without weighing

@@ -283,22 +283,23 @@ fn exp_is_accurate() {
     assert_eq!(exp(f32::NEG_INFINITY), exp(-87.0));
 }
 
-/// A nucleus that reaches tokens far below the best (beyond where the fast
-/// path looks first) still matches the reference.
+/// Nuclei that reach tokens far below the best (beyond where the fast path
+/// looks first, 8 and 16 nats down) still match the reference.
 #[test]
 fn a_nucleus_deep_in_the_tail_matches_the_reference() {
-    // One token of weight 1 and 5,000 of about 1e-7: top_p 0.9999 needs
-    // some of the tail.
-    let mut logits = vec![-16.1f32; 5000];
-    logits[1234] = 0.0;
-    let t = Truncation {
-        temperature: 1.0,
-        top_k: 0,
-        top_p: 0.9999,
-    };
-    let mut rng = StdRng::seed_from_u64(12);
-    for r in [0, u64::MAX, rng.random(), rng.random(), rng.random()] {
-        assert_eq!(pick(&logits, t, r), reference::pick(&logits, t, r), "r {r}");
+    // One token of weight 1 and 5,000 far below: top_p needs some of them.
+    for (depth, top_p) in [(8.5f32, 0.7), (16.1, 0.9999)] {
+        let mut logits = vec![-depth; 5000];
+        logits[1234] = 0.0;
+        let t = Truncation {
+            temperature: 1.0,
+            top_k: 0,
+            top_p,
+        };
+        let mut rng = StdRng::seed_from_u64(12);
+        for r in [0, u64::MAX, rng.random(), rng.random(), rng.random()] {
+            assert_eq!(pick(&logits, t, r), reference::pick(&logits, t, r), "r {r}");
+        }
+        assert_ne!(pick(&logits, t, u64::MAX), Some(1234), "the tail is kept");
     }
-    assert_ne!(pick(&logits, t, u64::MAX), Some(1234), "the tail is kept");
 }
