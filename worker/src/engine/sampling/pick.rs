@@ -391,6 +391,8 @@ pub(super) fn exp(x: f32) -> f32 {
     // Adding and subtracting 1.5 · 2^23 rounds to the nearest integer.
     const ROUND: f32 = 12_582_912.0;
     // Below -87 the result leaves f32's normal range; weights there are 0.
+    // Not `clamp`, which would keep a NaN: `max` turns it into -87.
+    #[allow(clippy::manual_clamp)]
     let x = x.max(-87.0).min(0.0);
     let rounded = x * LOG2_E + ROUND;
     let n = rounded - ROUND;
@@ -400,7 +402,7 @@ pub(super) fn exp(x: f32) -> f32 {
     let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r
         + 1.666_666_5e-1)
         * r
-        + 5.000_000_1e-1;
+        + 0.5; // Cephes' 5.0000001201e-1, which is 0.5 in f32
     let e = p * r * r + r + 1.0;
     // 2^n from its exponent bits; n ≥ -126 here.
     e * f32::from_bits(n_int.wrapping_add(127) << 23)
