@@ -14,8 +14,11 @@
 #     each proxy's CPU time (needs nginx: apt-get install nginx),
 # (7) observability: the router and worker with tracing (OTLP export to
 #     scripts/otlp_sink.py, or to a closed port with OTLP_SINK=down) and
-#     metrics on, against a mesh with both off, interleaved.
-# ONLY="synthetic real llamacpp sweep ceiling proxies observability" picks sections.
+#     metrics on, against a mesh with both off, interleaved,
+# (8) sampling (issue 20): the real model through the router at 1, 4, 16 and
+#     32 streams, greedy (temperature 0) and at the server's sampling
+#     defaults (temperature 1, no top-k or top-p), interleaved run by run.
+# ONLY="synthetic real llamacpp sweep ceiling proxies observability sampling" picks sections.
 # Results go to $OUT (default bench-results/). Every run is short: the whole
 # script takes about ten minutes on two cores.
 set -euo pipefail
@@ -29,7 +32,7 @@ cargo build --release --workspace
 BIN=target/release
 
 want() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
-if want real || want llamacpp; then
+if want real || want llamacpp || want sampling; then
   MODEL=$($BIN/meshctl fetch-model --python "${TOKENMESH_PYTHON:-python3}")
 fi
 cpu_secs() { # utime + stime of a process, seconds
@@ -268,7 +271,25 @@ python3 scripts/bench_compare.py "$OUT/observability.jsonl" | tee "$OUT/observab
 python3 scripts/bench_compare.py "$OUT/observability.jsonl" --baseline router-off | tee -a "$OUT/observability-compare.md"
 fi
 
-for f in synthetic real ceiling proxies proxies-ceiling observability; do
+if want sampling; then
+echo "== sampling: real model, temperature 0 vs the defaults (t=1), 1 to 32 streams ($THREADS thread(s))"
+mesh sampling smollm2-135m-instruct --model "$MODEL" --threads "$THREADS" --max-batch 32
+{ nproc; uptime; } | tee "$OUT/sampling-machine.txt"
+: >"$OUT/sampling.jsonl"
+for c in 1 4 16 32; do
+  for rep in $(seq "$REPS"); do
+    for t in t0 defaults; do
+      # No --temperature: the request leaves sampling to the server's defaults.
+      if [ $t = t0 ]; then targs=(--temperature 0); else targs=(); fi
+      $BIN/meshctl bench --target "$ROUTER" --concurrency $c --max-tokens 64 --prompt-words 32 "${targs[@]}" \
+        --duration 10 --warmup 2 --seed "$rep" --output json --no-progress | tag $t "$rep" >>"$OUT/sampling.jsonl"
+    done
+  done
+done
+cleanup; pids=()
+fi
+
+for f in synthetic real ceiling proxies proxies-ceiling observability sampling; do
   [ -s "$OUT/$f.jsonl" ] && python3 scripts/bench_summary.py "$OUT/$f.jsonl" | tee "$OUT/$f.md"
 done
 echo "results in $OUT"

@@ -22,7 +22,7 @@ use super::{Command, EngineStats, Event, Finish, SchedulerConfig, SequenceReques
 use crate::engine::detokenize::TextStream;
 use crate::engine::kv::{KvCache, KvPool};
 use crate::engine::model::{BatchSeq, ModelError, SeqStart, SeqStep, StepModel, StepOutput};
-use crate::engine::sampling::{Sampler, PENALTY_WINDOW};
+use crate::engine::sampling::{logprob, Sampler, PENALTY_WINDOW};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -488,9 +488,12 @@ fn next_token<M: StepModel>(
     if s.pending() > 0 {
         return None; // mid-prompt: these logits are not a prediction we need
     }
+    // The context is the prompt and every completion token so far (those of
+    // a continuation's first worker included), so the penalty window and the
+    // position are what an undisturbed run has at this token.
     let ctx = &s.req.context;
     let recent = &ctx[ctx.len().saturating_sub(PENALTY_WINDOW)..];
-    let sampled = s.sampler.sample(row, recent);
+    let token = s.sampler.sample(row, recent, s.generated);
     if s.prefilling {
         s.prefilling = false;
         s.phase =
@@ -500,18 +503,18 @@ fn next_token<M: StepModel>(
         s.first_token = Some(s.req.enqueued.elapsed());
     }
     // The end-of-turn token is not part of the output or its usage.
-    if model.eos_token_ids().contains(&sampled.token) {
+    if model.eos_token_ids().contains(&token) {
         return Some(End::Finished(Finish::Eos, None));
     }
     s.generated += 1;
     stats.tokens_generated.fetch_add(1, Ordering::Relaxed);
-    let released = s.text.push(model.token_bytes(sampled.token));
+    let released = s.text.push(model.token_bytes(token));
     let _ = s.req.events.send(Event::Token {
-        id: sampled.token,
+        id: token,
         text: released.text,
-        logprob: s.req.logprobs.then_some(sampled.logprob),
+        logprob: s.req.logprobs.then(|| logprob(row, token)),
     });
-    s.req.context.push(sampled.token);
+    s.req.context.push(token);
     if let Some(stop) = released.stop {
         Some(End::Finished(Finish::Stop, Some(stop)))
     } else if s.generated >= s.req.max_tokens || s.req.context.len() >= model.context_length() {
