@@ -110,15 +110,17 @@ pub struct Router {
 }
 
 /// The server span of one request (`Generate`, whichever API it came
-/// through), with every field the request path records.
+/// through), with every field the request path records. An empty `model`
+/// (the HTTP API reads it from the body later) is recorded when known, so
+/// the field is written once.
 pub fn request_span(model: &str, api: Api) -> Span {
-    tracing::info_span!(
+    let span = tracing::info_span!(
         "Generate",
         otel.name = "Generate",
         otel.kind = "server",
         otel.status_code = tracing::field::Empty,
         api = api.as_str(),
-        model = %model,
+        model = tracing::field::Empty,
         request_id = tracing::field::Empty,
         identity = tracing::field::Empty,
         version = tracing::field::Empty,
@@ -126,7 +128,11 @@ pub fn request_span(model: &str, api: Api) -> Span {
         worker = tracing::field::Empty,
         trace_id = tracing::field::Empty,
         error = tracing::field::Empty,
-    )
+    );
+    if !model.is_empty() {
+        span.record("model", model);
+    }
+    span
 }
 
 /// A `route` span, child of the request's `Generate` span, with every field
