@@ -17,8 +17,11 @@
 #     metrics on, against a mesh with both off, interleaved,
 # (8) sampling (issue 20): the real model through the router at 1, 4, 16 and
 #     32 streams, greedy (temperature 0) and at the server's sampling
-#     defaults (temperature 1, no top-k or top-p), interleaved run by run.
-# ONLY="synthetic real llamacpp sweep ceiling proxies observability sampling" picks sections.
+#     defaults (temperature 1, no top-k or top-p), interleaved run by run,
+# (9) openai: the router's OpenAI-compatible HTTP API (--api openai, HTTP/1.1
+#     and HTTP/2) against its gRPC API, same router and worker, interleaved,
+#     at 100 streams.
+# ONLY="synthetic real llamacpp sweep ceiling proxies observability sampling openai" picks sections.
 # Results go to $OUT (default bench-results/). Every run is short: the whole
 # script takes about ten minutes on two cores.
 set -euo pipefail
@@ -289,7 +292,35 @@ done
 cleanup; pids=()
 fi
 
-for f in synthetic real ceiling proxies proxies-ceiling observability sampling; do
+if want openai; then
+echo "== OpenAI-compatible HTTP vs gRPC through the same router, 100 streams"
+{ nproc; uptime; } | tee "$OUT/openai-machine.txt"
+hp=$(free_port)
+ROUTER_ARGS=(--http-listen "127.0.0.1:$hp")
+mesh openai synthetic --engine synthetic --synthetic-tokens-per-sec 100 --max-batch 256 --queue-capacity 1024
+ROUTER_ARGS=()
+HTTP=127.0.0.1:$hp
+wait_port "$HTTP"
+: >"$OUT/openai.jsonl"; : >"$OUT/openai-router-cpu.txt"
+for rep in $(seq "$REPS"); do
+  for to in grpc openai openai-h2; do
+    case $to in
+      grpc) args=(--target "$ROUTER") ;;
+      openai) args=(--api openai --target "$HTTP") ;; # HTTP/1.1, a connection per stream
+      openai-h2) args=(--api openai --http2 --target "$HTTP") ;;
+    esac
+    before=$(cpu_secs "$ROUTER_PID")
+    $BIN/meshctl bench "${args[@]}" --concurrency 100 --max-tokens 50 --prompt-words 32 \
+      --duration "${OPENAI_DURATION:-5}" --warmup 1 --seed "$rep" --output json --no-progress | tag $to "$rep" >>"$OUT/openai.jsonl"
+    echo "$to rep $rep: router CPU $(awk -v a="$before" -v b="$(cpu_secs "$ROUTER_PID")" 'BEGIN { print b - a }') s" \
+      | tee -a "$OUT/openai-router-cpu.txt"
+  done
+done
+cleanup; pids=()
+python3 scripts/bench_compare.py "$OUT/openai.jsonl" --baseline grpc | tee "$OUT/openai-compare.md"
+fi
+
+for f in synthetic real ceiling proxies proxies-ceiling observability sampling openai; do
   [ -s "$OUT/$f.jsonl" ] && python3 scripts/bench_summary.py "$OUT/$f.jsonl" | tee "$OUT/$f.md"
 done
 echo "results in $OUT"

@@ -63,6 +63,8 @@ TOKENMESH_MODEL_FILE=$(basename "$MODEL")
 free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 R1=127.0.0.1:$(free_port) R2=127.0.0.1:$(free_port) CTL=127.0.0.1:$(free_port)
 export TOKENMESH_ROUTER1_PUBLISH=$R1 TOKENMESH_ROUTER2_PUBLISH=$R2 TOKENMESH_CONTROL_PUBLISH=$CTL
+# the routers' OpenAI-compatible HTTP ports, off the fixed defaults too
+export TOKENMESH_ROUTER1_HTTP_PUBLISH=127.0.0.1:$(free_port) TOKENMESH_ROUTER2_HTTP_PUBLISH=127.0.0.1:$(free_port)
 # keepalive ejection must be quick, and well before a lease could expire
 export TOKENMESH_KEEPALIVE_INTERVAL_MS=1000 TOKENMESH_KEEPALIVE_TIMEOUT_MS=1000 TOKENMESH_LEASE_TTL=12
 # a canary rollout decided in seconds: stats every 1 s, an analysis round every 1 s

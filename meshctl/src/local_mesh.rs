@@ -18,6 +18,9 @@ pub struct UpArgs {
     /// Router address.
     #[arg(long, default_value = "127.0.0.1:50051")]
     pub listen: String,
+    /// The router's OpenAI-compatible HTTP address (DESIGN.md's port 8080).
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    pub http_listen: String,
     /// Port of the first worker; the others follow.
     #[arg(long, default_value_t = 50061)]
     pub worker_base_port: u16,
@@ -132,6 +135,8 @@ async fn start(args: &UpArgs) -> anyhow::Result<Up> {
         args.listen.clone(),
         "--static".into(),
         static_path.display().to_string(),
+        "--http-listen".into(),
+        args.http_listen.clone(),
     ]);
     mesh.spawn("router", &router_bin, &rargs, &run_dir.join("router.log"))?;
     Ok(Up {
@@ -171,7 +176,7 @@ fn usage(args: &UpArgs, up: &Up) -> String {
     let body = format!(
         "'{{\"model\":\"{model_name}\",\"messages\":[{{\"role\":\"user\",\"content\":\"Hi!\"}}],\"max_tokens\":32}}'"
     );
-    let (mode, grpcurl_tls, meshctl_tls) = match &up.certs {
+    let (mode, grpcurl_tls, meshctl_tls, curl_tls, scheme) = match &up.certs {
         Some(d) => (
             format!(
                 "mutual TLS; client certificate {c}/client.pem, key {c}/client.key, CA {c}/ca.pem",
@@ -182,19 +187,30 @@ fn usage(args: &UpArgs, up: &Up) -> String {
                 c = d.display()
             ),
             format!("--tls-dir {}", d.display()),
+            format!(
+                "--cacert {c}/ca.pem --cert {c}/client.pem --key {c}/client.key ",
+                c = d.display()
+            ),
+            "https",
         ),
         None => (
             "plaintext, development only".to_string(),
             "-plaintext".to_string(),
             "--insecure".to_string(),
+            String::new(),
+            "http",
         ),
     };
     format!(
         "tokenmesh is up: router {listen} ({mode}), {n} workers of {model_name}\n\
          logs and static discovery file: {dir}\n\n\
          try it:\n  meshctl generate --router {listen} {meshctl_tls} \"What is the capital of France?\"\n  \
-         grpcurl {grpcurl_tls} -d {body} {listen} tokenmesh.v1.Inference/Generate\n",
+         grpcurl {grpcurl_tls} -d {body} {listen} tokenmesh.v1.Inference/Generate\n  \
+         curl -N {curl_tls}{scheme}://{http}/v1/chat/completions -H 'Content-Type: application/json' \
+         -d {stream_body}\n",
         listen = args.listen,
+        http = args.http_listen,
+        stream_body = body.replacen('{', "{\"stream\":true,", 1),
         n = args.workers,
         dir = up.run_dir.display()
     )

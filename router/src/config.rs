@@ -147,6 +147,34 @@ pub struct RouterConfig {
         default_value_t = 300
     )]
     pub max_connection_age_grace_s: u64,
+
+    #[command(flatten)]
+    pub http: HttpArgs,
+}
+
+/// Flags of the OpenAI-compatible HTTP API.
+#[derive(clap::Args, Clone, Debug)]
+pub struct HttpArgs {
+    /// Address of the OpenAI-compatible HTTP API (POST /v1/chat/completions,
+    /// POST /v1/completions, GET /v1/models; DESIGN.md's port is 8080). Off
+    /// when not given. Under --tls-dir it serves TLS with the router's
+    /// certificate and requires a client certificate, unless --api-keys is
+    /// given, when a certificate is optional and a request without one needs
+    /// an API key.
+    #[arg(long, env = "TOKENMESH_HTTP_LISTEN", value_name = "ADDR")]
+    pub http_listen: Option<std::net::SocketAddr>,
+
+    /// API keys of the HTTP API: a TOML file of [[keys]] entries with
+    /// sha256 (hex SHA-256 of the key), name and role (client or operator
+    /// may call). Requests then need `Authorization: Bearer KEY` (or a
+    /// client certificate): 401 without a known key, 403 for another role.
+    #[arg(long, env = "TOKENMESH_API_KEYS", value_name = "FILE")]
+    pub api_keys: Option<PathBuf>,
+
+    /// Largest HTTP request body, in bytes; a larger one is refused with 413
+    /// before it is read.
+    #[arg(long, env = "TOKENMESH_HTTP_MAX_BODY_BYTES", default_value_t = 1 << 20)]
+    pub http_max_body_bytes: usize,
 }
 
 impl RouterConfig {

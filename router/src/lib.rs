@@ -6,6 +6,7 @@ pub mod admission;
 pub mod config;
 pub mod discovery;
 pub mod errors;
+pub mod openai;
 pub mod registry;
 pub mod route;
 pub mod server;
@@ -33,6 +34,13 @@ pub enum RunError {
     Server(#[from] tokenmesh_runtime::ServeError),
     #[error("--router-id {0:?}: must be non-empty and contain no '/'")]
     RouterId(String),
+    #[error(transparent)]
+    ApiKeys(#[from] openai::auth::ApiKeysError),
+    #[error("binding --http-listen {addr}: {source}")]
+    HttpBind {
+        addr: std::net::SocketAddr,
+        source: std::io::Error,
+    },
 }
 
 /// Serves `Inference` on `listener` until `shutdown` resolves.
@@ -57,19 +65,25 @@ pub async fn run(
     readiness.not_ready(WORKERS, NO_WORKER);
     let server = server.probes(cfg.server.telemetry.metrics_listen)?;
     let follower = tokio::spawn(follow_registry(registry.clone(), readiness));
-    let (stop_stats, stats_stopped) = tokio::sync::watch::channel(false);
+    let (stop, stats_stopped) = tokio::sync::watch::channel(false);
+    let stop = Arc::new(stop);
     let publisher = start_discovery(&cfg, &registry, tls.as_ref(), stats_stopped)?;
-    // The stats are withdrawn as soon as shutdown begins; streams in flight
-    // still finish.
-    let shutdown = async move {
-        shutdown.await;
-        let _ = stop_stats.send(true);
-    };
-    let service = InferenceService::new(
+    let router = Arc::new(route::Router::new(
         registry,
         admission::Admission::new(cfg.admission()),
         cfg.routing(),
-    );
+    ));
+    let http = start_http(&cfg, &router, tls.as_ref(), stop.subscribe()).await?;
+    // The stats are withdrawn and the HTTP listener closes as soon as
+    // shutdown begins; streams in flight still finish.
+    let shutdown = {
+        let stop = stop.clone();
+        async move {
+            shutdown.await;
+            let _ = stop.send(true);
+        }
+    };
+    let service = InferenceService::with_router(router);
     let bound = tokenmesh_runtime::serve::bound(&listener)?;
     let served = server
         .configure(|server| {
@@ -93,6 +107,10 @@ pub async fn run(
         )
         .await;
     follower.abort();
+    let _ = stop.send(true);
+    if let Some(http) = http {
+        let _ = http.await;
+    }
     served?;
     if let Some(publisher) = publisher {
         // Let the lease revocation reach etcd before the process exits.
@@ -128,6 +146,62 @@ async fn follow_registry(registry: Arc<Registry>, readiness: tokenmesh_runtime::
             _ = registry.wait_loaded(), if !loaded => {}
         }
     }
+}
+
+/// Binds and serves the OpenAI-compatible HTTP API when `--http-listen` is
+/// given, until `stop` turns true.
+async fn start_http(
+    cfg: &RouterConfig,
+    router: &Arc<route::Router>,
+    tls: Option<&tokenmesh_certs::tls::MeshTls>,
+    stop: tokio::sync::watch::Receiver<bool>,
+) -> Result<Option<tokio::task::JoinHandle<()>>, RunError> {
+    let Some(addr) = cfg.http.http_listen else {
+        return Ok(None);
+    };
+    let keys = match &cfg.http.api_keys {
+        Some(path) => Some(openai::auth::ApiKeys::load(path)?),
+        None => None,
+    };
+    use tokenmesh_certs::tls::server::ClientCerts;
+    let client_certs = if keys.is_some() {
+        ClientCerts::Optional
+    } else {
+        ClientCerts::Required
+    };
+    let tls_config = match tls {
+        Some(t) => Some(
+            t.http_server_config(client_certs)
+                .map_err(tokenmesh_runtime::ServeError::from)?,
+        ),
+        None => None,
+    };
+    let listener = TcpListener::bind(addr)
+        .await
+        .map_err(|source| RunError::HttpBind { addr, source })?;
+    let bound = listener
+        .local_addr()
+        .map_err(|source| RunError::HttpBind { addr, source })?;
+    let mode = match (&tls_config, &keys) {
+        (Some(_), Some(_)) => "TLS; API key or client certificate",
+        (Some(_), None) => "mTLS",
+        (None, Some(_)) => "plaintext; API keys",
+        (None, None) => "plaintext",
+    };
+    if let Some(k) = &keys {
+        tracing::info!(keys = k.len(), "api keys loaded");
+    }
+    println!("tokenmesh-router OpenAI-compatible HTTP on {bound} ({mode})");
+    let app = openai::app(
+        router.clone(),
+        openai::HttpSettings {
+            keys,
+            max_body_bytes: cfg.http.http_max_body_bytes,
+        },
+    );
+    Ok(Some(tokio::spawn(openai::serve(
+        app, listener, tls_config, stop,
+    ))))
 }
 
 /// Fills the registry from the static file, or from etcd with a watch (and

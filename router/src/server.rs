@@ -7,10 +7,9 @@ use crate::admission::Admission;
 use crate::errors::RouterError;
 use crate::registry::Registry;
 use crate::route::version::has_canary;
-use crate::route::{Incoming, RouteSettings, Router};
+use crate::route::{meter, request_span, Api, Incoming, RouteSettings, Router};
 use std::sync::Arc;
 use std::time::Instant;
-use tokenmesh_proto::codes::code_name;
 use tokenmesh_proto::headers;
 use tokenmesh_proto::v1::inference_server::Inference;
 use tokenmesh_proto::v1::{
@@ -37,9 +36,12 @@ impl InferenceService {
         admission: Arc<Admission>,
         settings: RouteSettings,
     ) -> Self {
-        Self {
-            router: Arc::new(Router::new(registry, admission, settings)),
-        }
+        Self::with_router(Arc::new(Router::new(registry, admission, settings)))
+    }
+
+    /// A service over a request path it shares (with the HTTP API).
+    pub fn with_router(router: Arc<Router>) -> Self {
+        Self { router }
     }
 }
 
@@ -96,6 +98,7 @@ fn incoming(
         session,
         deadline,
         started,
+        api: Api::Grpc,
     })
 }
 
@@ -134,20 +137,7 @@ impl Inference for InferenceService {
         &self,
         request: Request<GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
-        let span = tracing::info_span!(
-            "Generate",
-            otel.name = "Generate",
-            otel.kind = "server",
-            otel.status_code = tracing::field::Empty,
-            model = tracing::field::Empty,
-            request_id = tracing::field::Empty,
-            identity = tracing::field::Empty,
-            version = tracing::field::Empty,
-            arm = tracing::field::Empty,
-            worker = tracing::field::Empty,
-            trace_id = tracing::field::Empty,
-            error = tracing::field::Empty,
-        );
+        let span = request_span(Api::Grpc);
         telemetry::adopt_parent(&span, request.metadata());
         // Kept for the refusal's metric label, if it can be one at all.
         let asked = Some(&request.get_ref().model)
@@ -172,9 +162,7 @@ impl Inference for InferenceService {
                 span.record("otel.status_code", "ERROR");
                 span.record("error", status.message());
                 tracing::info!(parent: &span, code = ?status.code(), error = %status.message(), "refused");
-                metrics::counter!("llm_request_total", "model" => model.clone(), "version" => "", "code" => code_name(status.code())).increment(1);
-                metrics::counter!("llm_request_errors_total", "model" => model, "version" => "")
-                    .increment(1);
+                meter::refused(&model, Api::Grpc, status.code());
                 Err(status)
             }
         }

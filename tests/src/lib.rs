@@ -11,6 +11,7 @@ pub mod fixtures;
 pub mod mesh;
 pub mod metrics;
 pub mod model;
+pub mod openai;
 pub mod pki;
 pub mod process;
 pub mod raw;
@@ -24,6 +25,10 @@ pub use mesh::{
 };
 pub use metrics::{http_get, scrape, scrape_text, series_names};
 pub use model::{model_path, MODEL};
+pub use openai::{
+    curl, http_router, http_router_with, openai_client, openai_command, openai_spawn, post_json,
+    HttpRouter,
+};
 pub use pki::{channel, Creds, Pki};
 pub use process::{bin, bin_dir, eventually, free_port, Proc};
 pub use raw::{raw_call, RawCodec};

@@ -198,3 +198,44 @@ async fn bench_loads_a_mutual_tls_router_with_tls_dir() {
         "one error line on stderr: {shown}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bench_api_openai_measures_the_same_rate_over_http() {
+    let dir = tempfile::tempdir().unwrap();
+    let worker = synthetic_worker("w-http", None, dir.path()).await;
+    let http = format!("127.0.0.1:{}", tokenmesh_tests::free_port());
+    let static_file = dir.path().join("static.toml");
+    std::fs::write(
+        &static_file,
+        format!(
+            "[[workers]]\nid = \"{}\"\nmodel = \"synthetic\"\nversion = \"v1\"\naddr = \"{}\"\n",
+            worker.id, worker.addr
+        ),
+    )
+    .unwrap();
+    let args = [
+        "--static".to_string(),
+        static_file.display().to_string(),
+        "--http-listen".into(),
+        http.clone(),
+    ];
+    let router = RouterProc::start_tls(&args, None, dir.path())
+        .await
+        .unwrap();
+    router
+        .wait_ready_workers("synthetic", 1, Duration::from_secs(10))
+        .await
+        .unwrap();
+    // HTTP/1.1, a connection per stream, and HTTP/2 multiplexed.
+    let h1 = bench(&["--api", "openai", "--target", &http])
+        .await
+        .unwrap();
+    assert_eq!(h1["labels"]["api"], "openai");
+    assert_eq!(h1["labels"]["model"], "synthetic", "from GET /v1/models");
+    check(&h1);
+    let h2 = bench(&["--api", "openai", "--http2", "--target", &http])
+        .await
+        .unwrap();
+    assert_eq!(h2["labels"]["api"], "openai-h2");
+    check(&h2);
+}

@@ -291,3 +291,69 @@ async fn metrics_count_the_traffic() {
     assert!(sum(&wm, "llm_batch_size", None) >= tokens as f64);
     assert_eq!(sum(&wm, "llm_queue_depth", None), 0.0);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_openai_http_request_continues_the_callers_trace() {
+    std::env::set_var("OTEL_BSP_SCHEDULE_DELAY", "100");
+    let (receiver, endpoint) = start_receiver().await;
+    let dir = tempfile::tempdir().unwrap();
+    let opts = WorkerOpts {
+        extra: vec![
+            "--model-name".into(),
+            MODEL.into(),
+            "--otlp-endpoint".into(),
+            endpoint.clone(),
+        ],
+        synthetic_tokens_per_sec: Some(500.0),
+        ..WorkerOpts::new("w-http-traced")
+    };
+    let w = WorkerProc::start(opts, dir.path()).await.unwrap();
+    let r = http_router(dir.path(), &[&w], &["--otlp-endpoint", &endpoint]).await;
+    let trace_id = "0af7651916cd43dd8448eb211c80319c";
+    let client_span = "b7ad6b7169203331";
+    let body = format!(
+        r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"hi"}}],"max_tokens":3,"stream":true}}"#
+    );
+    let traceparent = format!("traceparent: 00-{trace_id}-{client_span}-01");
+    let (code, out, _) = curl(&[
+        "-N",
+        &r.url("/v1/chat/completions"),
+        "-H",
+        "Content-Type: application/json",
+        "-H",
+        &traceparent,
+        "-d",
+        &body,
+    ]);
+    assert_eq!(code, 200, "{out}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let spans = loop {
+        let spans: Vec<(String, Span)> = receiver
+            .spans
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, s)| hex(&s.trace_id) == trace_id)
+            .cloned()
+            .collect();
+        let generates = spans.iter().filter(|(_, s)| s.name == "Generate").count();
+        if generates == 2 && spans.iter().any(|(_, s)| s.name == "route") {
+            break spans;
+        }
+        let names: Vec<&str> = spans.iter().map(|(_, s)| s.name.as_str()).collect();
+        assert!(Instant::now() < deadline, "spans so far: {names:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let router_gen = spans
+        .iter()
+        .find(|(svc, s)| svc == "tokenmesh-router" && s.name == "Generate")
+        .map(|(_, s)| s)
+        .expect("the router's Generate span");
+    assert_eq!(hex(&router_gen.parent_span_id), client_span);
+    assert_eq!(attr_str(router_gen, "api"), "openai");
+    assert_eq!(attr_str(router_gen, "model"), MODEL);
+    assert!(!attr_str(router_gen, "identity").is_empty());
+    assert!(spans
+        .iter()
+        .any(|(svc, s)| svc == "tokenmesh-worker" && s.name == "Generate"));
+}

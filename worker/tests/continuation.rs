@@ -62,6 +62,7 @@ fn submit(
     engine
         .submit(SequenceRequest {
             request_id: format!("continue-{}", emitted.len()),
+            attempt_id: "a".into(),
             context: [prompt, emitted].concat(),
             already_emitted: emitted.len(),
             max_tokens: MAX_TOKENS,

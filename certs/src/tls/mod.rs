@@ -82,6 +82,15 @@ impl MeshTls {
         server::server_config(self.store.clone(), self.roots.clone())
     }
 
+    /// The config of an HTTP listener (the router's OpenAI-compatible API):
+    /// HTTP/2 and HTTP/1.1, client certificates as `client_certs` says.
+    pub fn http_server_config(
+        &self,
+        client_certs: server::ClientCerts,
+    ) -> Result<Arc<rustls::ServerConfig>, TlsError> {
+        server::http_server_config(self.store.clone(), self.roots.clone(), client_certs)
+    }
+
     /// A connector to a peer that must present `expected`.
     pub fn connector_to(&self, expected: Identity) -> Result<connector::PeerConnector, TlsError> {
         Ok(connector::PeerConnector::new(

@@ -35,6 +35,38 @@ pub fn server_config(
     Ok(Arc::new(cfg))
 }
 
+/// Whether an HTTP listener demands a client certificate at the handshake.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ClientCerts {
+    /// Every client presents a certificate signed by the mesh CA.
+    Required,
+    /// A client may present one (it is then verified against the mesh CA)
+    /// or none, and authenticate some other way (an API key).
+    Optional,
+}
+
+/// A server config for an HTTP listener (HTTP/2 and HTTP/1.1 by ALPN) that
+/// presents the store's current certificate and verifies client
+/// certificates against `roots` as `client_certs` says.
+pub fn http_server_config(
+    store: Arc<CertStore>,
+    roots: Arc<RootCertStore>,
+    client_certs: ClientCerts,
+) -> Result<Arc<ServerConfig>, TlsError> {
+    let provider = provider();
+    let verifier = WebPkiClientVerifier::builder_with_provider(roots, provider.clone());
+    let verifier = match client_certs {
+        ClientCerts::Required => verifier.build()?,
+        ClientCerts::Optional => verifier.allow_unauthenticated().build()?,
+    };
+    let mut cfg = ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()?
+        .with_client_cert_verifier(verifier)
+        .with_cert_resolver(store);
+    cfg.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(Arc::new(cfg))
+}
+
 /// Accepts connections on `listener` and yields those that completed the
 /// mutual-TLS handshake. Each handshake runs in its own task, so a slow or
 /// failing client never delays the others; a failed one is logged and

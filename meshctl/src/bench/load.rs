@@ -8,6 +8,7 @@
 //! window. Every loop is bounded: issuing stops at the end of the window (or
 //! after `--requests` measured requests) and every request is cut off at the
 //! window end plus `--drain-timeout`.
+use super::openai::{OpenAi, Tick};
 use super::transport::{self, TlsArgs};
 use super::workload::{Shape, ShapeArgs, Workload};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -33,8 +34,17 @@ pub struct LoadArgs {
     #[arg(long, env = "TOKENMESH_ROUTER", default_value = "127.0.0.1:50051")]
     pub target: String,
     /// Call a worker's Worker.Generate directly instead of a router's Inference.Generate.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "api")]
     pub direct: bool,
+    /// The router API to load: `grpc` (Inference.Generate), or `openai`
+    /// (streamed POST /v1/completions on the router's --http-listen address,
+    /// given as --target).
+    #[arg(long, value_enum, default_value_t = Api::Grpc)]
+    pub api: Api,
+    /// With --api openai: HTTP/2 (prior knowledge), every stream over the
+    /// --connections, instead of HTTP/1.1 with one connection per stream.
+    #[arg(long)]
+    pub http2: bool,
     /// Model name (default: the only model the target serves).
     #[arg(long)]
     pub model: Option<String>,
@@ -75,6 +85,14 @@ pub struct LoadArgs {
     pub tls: TlsArgs,
 }
 
+/// Which API of the router `meshctl bench` loads.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Api {
+    #[default]
+    Grpc,
+    Openai,
+}
+
 /// What one request saw. Times are offsets from the run's start.
 #[derive(Debug, Clone)]
 pub struct Sample {
@@ -101,6 +119,8 @@ struct Target {
     channels: Arc<Vec<Channel>>,
     next: Arc<AtomicUsize>,
     direct: bool,
+    /// `--api openai`: the HTTP client instead of the channels.
+    openai: Option<OpenAi>,
 }
 
 impl Target {
@@ -125,6 +145,9 @@ impl Target {
 
     /// The model to ask for when none is given.
     async fn default_model(&self) -> anyhow::Result<String> {
+        if let Some(openai) = &self.openai {
+            return openai.default_model().await;
+        }
         let channel = self.channels[0].clone();
         if self.direct {
             let status = WorkerClient::new(channel).status(StatusRequest {}).await?;
@@ -187,6 +210,30 @@ impl Shared {
             ..Default::default()
         };
         let mut tokens = Vec::new();
+        if let Some(openai) = &self.target.openai {
+            let outcome = tokio::time::timeout_at(self.hard_end, async {
+                let mut stream = openai.generate(&req).await?;
+                while let Some(tick) = stream.next().await? {
+                    match tick {
+                        Tick::Tokens(n) => {
+                            self.tokens.fetch_add(n as u64, Ordering::Relaxed);
+                            tokens.push((self.t0.elapsed(), n));
+                        }
+                        Tick::Done => return Ok(true),
+                    }
+                }
+                Ok::<bool, String>(stream.done())
+            })
+            .await;
+            let error = match outcome {
+                Ok(Ok(true)) => None,
+                Ok(Ok(false)) => Some("INCOMPLETE".to_string()),
+                Ok(Err(code)) => Some(code),
+                Err(_) => Some("CLIENT_TIMEOUT".to_string()),
+            };
+            self.record(start, tokens, error);
+            return;
+        }
         let outcome = tokio::time::timeout_at(self.hard_end, async {
             let mut stream = self.target.generate(req).await?;
             while let Some(msg) = stream.message().await? {
@@ -209,6 +256,11 @@ impl Shared {
             Ok(Err(status)) => Some(tokenmesh_proto::codes::code_name(status.code()).to_string()),
             Err(_) => Some("CLIENT_TIMEOUT".to_string()),
         };
+        self.record(start, tokens, error);
+    }
+
+    /// Books one finished request.
+    fn record(&self, start: Instant, tokens: Vec<(Duration, u32)>, error: Option<String>) {
         self.completed.fetch_add(1, Ordering::Relaxed);
         self.samples.lock().expect("samples lock").push(Sample {
             start: start - self.t0,
@@ -241,13 +293,23 @@ pub async fn run(args: &LoadArgs, progress: bool) -> anyhow::Result<Run> {
         anyhow::ensure!(r > 0.0 && r.is_finite(), "--rate must be positive");
     }
     let mut channels = Vec::new();
-    for _ in 0..args.connections.max(1) {
-        channels.push(transport::connect(&args.target, &args.tls).await?);
+    let mut openai = None;
+    if args.api == Api::Openai {
+        anyhow::ensure!(
+            args.tls.tls_dir.is_none(),
+            "--api openai speaks plaintext HTTP only (TLS is not supported by the load generator yet)"
+        );
+        openai = Some(OpenAi::new(&args.target, args.http2)?);
+    } else {
+        for _ in 0..args.connections.max(1) {
+            channels.push(transport::connect(&args.target, &args.tls).await?);
+        }
     }
     let target = Target {
         channels: Arc::new(channels),
         next: Arc::new(AtomicUsize::new(0)),
         direct: args.direct,
+        openai,
     };
     let model = match &args.model {
         Some(m) => m.clone(),

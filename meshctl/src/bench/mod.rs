@@ -2,6 +2,7 @@
 //! configurations over processes it starts itself.
 pub mod heatmap;
 pub mod load;
+pub mod openai;
 pub mod report;
 pub mod sweep;
 pub mod transport;
@@ -84,10 +85,13 @@ pub async fn main(cmd: BenchCmd) -> anyhow::Result<()> {
 fn labels(args: &load::LoadArgs, model: &str) -> BTreeMap<String, String> {
     let mut l = BTreeMap::new();
     l.insert("target".into(), args.target.clone());
-    l.insert(
-        "api".into(),
-        if args.direct { "worker" } else { "router" }.into(),
-    );
+    let api = match (args.direct, args.api) {
+        (true, _) => "worker",
+        (false, load::Api::Grpc) => "router",
+        (false, load::Api::Openai) if args.http2 => "openai-h2",
+        (false, load::Api::Openai) => "openai",
+    };
+    l.insert("api".into(), api.into());
     l.insert("model".into(), model.into());
     match args.rate {
         Some(r) => l.insert("rate".into(), format!("{r}")),

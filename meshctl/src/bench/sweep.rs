@@ -265,6 +265,8 @@ fn point_load(args: &SweepArgs, router: &str, model: &str, concurrency: u32) -> 
     LoadArgs {
         target: router.to_string(),
         direct: false,
+        api: super::load::Api::Grpc,
+        http2: false,
         model: Some(model.to_string()),
         concurrency: concurrency as usize,
         rate: None,

@@ -37,6 +37,8 @@ pub struct FailoverContext {
     pub permit: Permit,
     /// The request's `Generate` span.
     pub span: Span,
+    /// The front door, for the metrics.
+    pub api: super::Api,
 }
 
 /// The client's side of the stream: numbering, the tokens delivered so far,
@@ -86,6 +88,7 @@ pub async fn run(
         &ctx.accepted.version,
         ctx.started,
         ctx.span.clone(),
+        ctx.api,
     );
     let mut client = ClientStream {
         out,

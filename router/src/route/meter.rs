@@ -1,6 +1,8 @@
 //! The metrics of one client stream: latencies as tokens arrive, the outcome
 //! once, when the stream ends whichever way it ends (also when the client
-//! goes away mid-stream, which drops it).
+//! goes away mid-stream, which drops it). Every series carries the `api` it
+//! came through (`grpc` or `openai`).
+use super::Api;
 use std::time::Instant;
 use tokenmesh_proto::codes::{classify, code_name};
 use tracing::Span;
@@ -9,6 +11,7 @@ use tracing::Span;
 pub struct StreamMeter {
     model: String,
     version: String,
+    api: Api,
     started: Instant,
     last_token: Option<Instant>,
     /// The outcome; a stream dropped without one was cancelled by its client.
@@ -18,25 +21,40 @@ pub struct StreamMeter {
     span: Span,
 }
 
+/// Counts a request refused before it had a stream (bad input, unknown
+/// model, admission, no worker): the same counters a stream ends in, with
+/// no version.
+pub fn refused(model: &str, api: Api, code: tonic::Code) {
+    metrics::counter!("llm_request_total", "model" => model.to_string(), "version" => "", "code" => code_name(code), "api" => api.as_str())
+        .increment(1);
+    if classify(code).is_failure() {
+        metrics::counter!("llm_request_errors_total", "model" => model.to_string(), "version" => "", "api" => api.as_str())
+            .increment(1);
+    }
+}
+
 impl StreamMeter {
-    /// Starts metering a stream of `model`/`version` received at `started`.
-    pub fn new(model: &str, version: &str, started: Instant, span: Span) -> Self {
-        metrics::gauge!("llm_active_streams", "model" => model.to_string(), "version" => version.to_string())
-            .increment(1.0);
-        Self {
+    /// Starts metering a stream of `model`/`version` received at `started`
+    /// through `api`.
+    pub fn new(model: &str, version: &str, started: Instant, span: Span, api: Api) -> Self {
+        let meter = Self {
             model: model.into(),
             version: version.into(),
+            api,
             started,
             last_token: None,
             code: tonic::Code::Cancelled,
             span,
-        }
+        };
+        metrics::gauge!("llm_active_streams", &meter.labels()).increment(1.0);
+        meter
     }
 
-    fn labels(&self) -> [(&'static str, String); 2] {
+    fn labels(&self) -> [(&'static str, String); 3] {
         [
             ("model", self.model.clone()),
             ("version", self.version.clone()),
+            ("api", self.api.as_str().to_string()),
         ]
     }
 
@@ -71,7 +89,8 @@ impl Drop for StreamMeter {
             "llm_request_total",
             "model" => self.model.clone(),
             "version" => self.version.clone(),
-            "code" => code_name(self.code)
+            "code" => code_name(self.code),
+            "api" => self.api.as_str()
         )
         .increment(1);
         if classify(self.code).is_failure() {

@@ -13,8 +13,9 @@
 //! 6. [`failover`] also drops the upstream stream when the client leaves or
 //!    its deadline passes; [`meter`] records the stream's metrics.
 //!
-//! [`Router::route`] runs the steps; the gRPC service in `server.rs` only
-//! turns a request into an [`Incoming`] and the result into a response.
+//! [`Router::route`] runs the steps; the gRPC service in `server.rs` and the
+//! OpenAI-compatible HTTP API in `openai/` only turn a request into an
+//! [`Incoming`] and the result into a response.
 pub mod attempt;
 pub mod failover;
 pub mod meter;
@@ -51,7 +52,27 @@ pub struct RouteSettings {
     pub retry_budget: RetryBudgetConfig,
 }
 
-/// One request as the gRPC edge hands it over: validated, with a request id.
+/// Which front door a request came through: the `api` label of the metrics.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Api {
+    /// `tokenmesh.v1.Inference` over gRPC.
+    Grpc,
+    /// The OpenAI-compatible HTTP API.
+    Openai,
+}
+
+impl Api {
+    /// The metric label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Api::Grpc => "grpc",
+            Api::Openai => "openai",
+        }
+    }
+}
+
+/// One request as an edge (gRPC or HTTP) hands it over: validated, with a
+/// request id.
 #[derive(Debug)]
 pub struct Incoming {
     /// The client's request, with its `request_id` set.
@@ -66,6 +87,8 @@ pub struct Incoming {
     pub deadline: Option<tokio::time::Instant>,
     /// When the router received the request.
     pub started: Instant,
+    /// The front door it came through.
+    pub api: Api,
 }
 
 /// A request routed to its first worker; the stream is carried on in a task.
@@ -84,6 +107,28 @@ pub struct Router {
     admission: Arc<Admission>,
     budgets: RetryBudgets,
     settings: RouteSettings,
+}
+
+/// The server span of one request (`Generate`, whichever API it came
+/// through), with every field the request path records; the model is
+/// recorded once the request has been checked.
+pub fn request_span(api: Api) -> Span {
+    let span = tracing::info_span!(
+        "Generate",
+        otel.name = "Generate",
+        otel.kind = "server",
+        otel.status_code = tracing::field::Empty,
+        api = api.as_str(),
+        model = tracing::field::Empty,
+        request_id = tracing::field::Empty,
+        identity = tracing::field::Empty,
+        version = tracing::field::Empty,
+        arm = tracing::field::Empty,
+        worker = tracing::field::Empty,
+        trace_id = tracing::field::Empty,
+        error = tracing::field::Empty,
+    );
+    span
 }
 
 /// A `route` span, child of the request's `Generate` span, with every field
@@ -178,6 +223,7 @@ impl Router {
             started: incoming.started,
             permit,
             span: span.clone(),
+            api: incoming.api,
         };
         let (tx, rx) = mpsc::channel(32);
         tokio::spawn(failover::run(ctx, upstream, tx).instrument(span.clone()));
