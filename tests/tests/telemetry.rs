@@ -104,25 +104,12 @@ async fn one_trace_crosses_router_and_worker() {
     let mut stream = client.generate(req).await.unwrap().into_inner();
     while stream.message().await.unwrap().is_some() {}
 
-    let want = ["route", "queue", "prefill", "decode"];
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let spans = loop {
-        let spans: Vec<(String, Span)> = receiver
-            .spans
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|(_, s)| hex(&s.trace_id) == trace_id)
-            .cloned()
-            .collect();
-        let names: Vec<&str> = spans.iter().map(|(_, s)| s.name.as_str()).collect();
-        let generates = names.iter().filter(|n| **n == "Generate").count();
-        if generates == 2 && want.iter().all(|w| names.contains(w)) {
-            break spans;
-        }
-        assert!(Instant::now() < deadline, "spans so far: {names:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let spans = spans_of_trace(
+        &receiver,
+        trace_id,
+        &["route", "queue", "prefill", "decode"],
+    )
+    .await;
     let by_id: HashMap<String, &(String, Span)> =
         spans.iter().map(|e| (hex(&e.1.span_id), e)).collect();
     let find = |service: &str, name: &str| {
@@ -202,6 +189,30 @@ async fn one_trace_crosses_router_and_worker() {
     );
     // Log lines carry the trace id.
     assert!(router.proc.log_text().contains(trace_id) || w.proc.log_text().contains(trace_id));
+}
+
+/// The spans of `trace_id` once both Generate spans (router and worker) and
+/// every span named in `want` have arrived; fails after 10 s listing those
+/// that did.
+async fn spans_of_trace(receiver: &Receiver, trace_id: &str, want: &[&str]) -> Vec<(String, Span)> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let spans: Vec<(String, Span)> = receiver
+            .spans
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, s)| hex(&s.trace_id) == trace_id)
+            .cloned()
+            .collect();
+        let names: Vec<&str> = spans.iter().map(|(_, s)| s.name.as_str()).collect();
+        let generates = names.iter().filter(|n| **n == "Generate").count();
+        if generates == 2 && want.iter().all(|w| names.contains(w)) {
+            return spans;
+        }
+        assert!(Instant::now() < deadline, "spans so far: {names:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -326,24 +337,7 @@ async fn an_openai_http_request_continues_the_callers_trace() {
         &body,
     ]);
     assert_eq!(code, 200, "{out}");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let spans = loop {
-        let spans: Vec<(String, Span)> = receiver
-            .spans
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|(_, s)| hex(&s.trace_id) == trace_id)
-            .cloned()
-            .collect();
-        let generates = spans.iter().filter(|(_, s)| s.name == "Generate").count();
-        if generates == 2 && spans.iter().any(|(_, s)| s.name == "route") {
-            break spans;
-        }
-        let names: Vec<&str> = spans.iter().map(|(_, s)| s.name.as_str()).collect();
-        assert!(Instant::now() < deadline, "spans so far: {names:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let spans = spans_of_trace(&receiver, trace_id, &["route"]).await;
     let router_gen = spans
         .iter()
         .find(|(svc, s)| svc == "tokenmesh-router" && s.name == "Generate")
