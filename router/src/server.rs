@@ -7,7 +7,7 @@ use crate::admission::Admission;
 use crate::errors::RouterError;
 use crate::registry::Registry;
 use crate::route::version::has_canary;
-use crate::route::{meter, request_span, Api, Incoming, RouteSettings, Router};
+use crate::route::{request_span, Api, Incoming, RouteSettings, Router};
 use std::sync::Arc;
 use std::time::Instant;
 use tokenmesh_proto::headers;
@@ -152,17 +152,10 @@ impl Inference for InferenceService {
             Ok(r) => Ok(r),
             Err(e) => {
                 let status = e.into_status();
-                // A metric label is a model the registry knows, never the
-                // client's string: every unknown name would be a new series.
-                let model = if self.router.registry().has_model(&asked) {
-                    asked
-                } else {
-                    String::new()
-                };
                 span.record("otel.status_code", "ERROR");
                 span.record("error", status.message());
                 tracing::info!(parent: &span, code = ?status.code(), error = %status.message(), "refused");
-                meter::refused(&model, Api::Grpc, status.code());
+                self.router.count_refusal(&asked, Api::Grpc, status.code());
                 Err(status)
             }
         }

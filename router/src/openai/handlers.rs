@@ -8,7 +8,7 @@ use super::errors::ApiError;
 use super::request::{parse, Endpoint, Parsed};
 use super::wire::{Model, ModelList};
 use crate::errors::RouterError;
-use crate::route::{meter, request_span, Api, Incoming, Routed, Router};
+use crate::route::{request_span, Api, Incoming, Routed, Router};
 use axum::body::Body;
 use axum::extract::{Path, State};
 use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode, Uri};
@@ -185,7 +185,7 @@ impl AppState {
             .await;
         let (routed, answer, stream) = match prepared {
             Ok(p) => p,
-            Err(Refusal { model, error }) => return refused(&span, &model, error),
+            Err(Refusal { model, error }) => return self.refused(&span, &model, error),
         };
         let request_id = answer.id.split_once('-').map(|(_, id)| id.to_string());
         let mut response = if stream {
@@ -204,6 +204,16 @@ impl AppState {
             }
         }
         response
+    }
+
+    /// Logs and counts a refusal of a request that asked for `model`, and
+    /// answers it.
+    fn refused(&self, span: &Span, model: &str, e: ApiError) -> Response {
+        span.record("otel.status_code", "ERROR");
+        span.record("error", e.message.as_str());
+        tracing::info!(parent: span, status = e.status.as_u16(), error = %e.message, "refused");
+        self.router.count_refusal(model, Api::Openai, e.code);
+        e.into_response()
     }
 
     /// Everything up to the first worker stream: authentication, the body,
@@ -225,11 +235,7 @@ impl AppState {
         span.record("identity", identity.as_str());
         content_type(headers)?;
         let parsed = parse(endpoint, &bytes)?;
-        // A metric label is a model the registry knows, never the client's
-        // string: every unknown name would be a new series.
-        let model = Some(parsed.request.model.clone())
-            .filter(|m| self.router.registry().has_model(m))
-            .unwrap_or_default();
+        let model = parsed.request.model.clone();
         let with_model = |error: ApiError| Refusal {
             model: model.clone(),
             error,
@@ -247,15 +253,6 @@ impl AppState {
         };
         Ok((routed, answer, stream))
     }
-}
-
-/// Logs and counts a refusal, and answers it.
-fn refused(span: &Span, model: &str, e: ApiError) -> Response {
-    span.record("otel.status_code", "ERROR");
-    span.record("error", e.message.as_str());
-    tracing::info!(parent: span, status = e.status.as_u16(), error = %e.message, "refused");
-    meter::refused(model, Api::Openai, e.code);
-    e.into_response()
 }
 
 /// Only JSON bodies (a missing Content-Type is read as JSON).

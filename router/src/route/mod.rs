@@ -32,6 +32,7 @@ use retry_budget::{RetryBudgetConfig, RetryBudgets};
 use std::sync::Arc;
 use std::time::Instant;
 use tokenmesh_proto::v1::{Accepted, GenerateRequest, GenerateResponse};
+use tokenmesh_proto::validate::MAX_NAME_BYTES;
 use tokenmesh_runtime::Backoff;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -168,6 +169,14 @@ impl Router {
     /// What the router knows.
     pub fn registry(&self) -> &Arc<Registry> {
         &self.registry
+    }
+
+    /// Counts a request refused before it had a stream, whichever API it
+    /// came through. The model label is the one asked for only when the
+    /// registry knows it: a client's string would make a series per name.
+    pub fn count_refusal(&self, asked: &str, api: Api, code: tonic::Code) {
+        let known = asked.len() <= MAX_NAME_BYTES && self.registry.has_model(asked);
+        meter::refused(if known { asked } else { "" }, api, code);
     }
 
     /// Admits and routes one request and opens its first worker stream; the
