@@ -210,7 +210,7 @@ async fn prompts_sharing_prefixes_get_the_same_tokens_from_the_cache() {
         .unwrap();
     let short = text.len();
     assert!(
-        short > 2 * BLOCK && short % BLOCK != 0,
+        short > 2 * BLOCK && !short.is_multiple_of(BLOCK),
         "{short} tokens: two blocks and part of one"
     );
     let more = m
