@@ -146,12 +146,13 @@ pub struct WorkerConfig {
     /// (a shared system prompt, earlier chat turns, a failover continuation)
     /// reuse them instead of computing them again; cached blocks are evicted,
     /// least recently used first, when the pool needs room. `off` frees every
-    /// block with its sequence (to compare).
+    /// block with its sequence (to compare). Also true/false, yes/no, 1/0.
     #[arg(
         long,
         env = "TOKENMESH_PREFIX_CACHE",
         value_name = "on|off",
         default_value = "on",
+        hide_possible_values = true,
         value_parser = clap::builder::BoolishValueParser::new(),
         action = clap::ArgAction::Set
     )]
