@@ -141,6 +141,23 @@ pub struct WorkerConfig {
     #[arg(long, env = "TOKENMESH_KV_BLOCK_SIZE", default_value_t = 16)]
     pub kv_block_size: usize,
 
+    /// Automatic prefix caching: `on` keeps full KV blocks after their
+    /// sequence ends and lets later requests with the same prompt prefix
+    /// (a shared system prompt, earlier chat turns, a failover continuation)
+    /// reuse them instead of computing them again; cached blocks are evicted,
+    /// least recently used first, when the pool needs room. `off` frees every
+    /// block with its sequence (to compare). Also true/false, yes/no, 1/0.
+    #[arg(
+        long,
+        env = "TOKENMESH_PREFIX_CACHE",
+        value_name = "on|off",
+        default_value = "on",
+        hide_possible_values = true,
+        value_parser = clap::builder::BoolishValueParser::new(),
+        action = clap::ArgAction::Set
+    )]
+    pub prefix_cache: bool,
+
     /// A waiting request moves up one priority class per this many
     /// milliseconds, so LOW is never starved.
     #[arg(long, env = "TOKENMESH_PRIORITY_AGING_MS", default_value_t = 2_000)]

@@ -103,8 +103,14 @@ async fn start_engine(cfg: &WorkerConfig, worker_id: &str) -> Result<StartedEngi
     }
 }
 
-/// The scheduler's settings from the flags, with the metrics' labels.
-fn scheduler_config(cfg: &WorkerConfig, labels: Vec<(&'static str, String)>) -> SchedulerConfig {
+/// The scheduler's settings from the flags, with the metrics' labels and
+/// the model's identity (its digest), which with the version seeds the
+/// prefix cache's block hashes.
+fn scheduler_config(
+    cfg: &WorkerConfig,
+    labels: Vec<(&'static str, String)>,
+    model_identity: &str,
+) -> SchedulerConfig {
     SchedulerConfig {
         max_batch: cfg.max_batch.max(1),
         queue_capacity: cfg.queue_capacity,
@@ -114,6 +120,9 @@ fn scheduler_config(cfg: &WorkerConfig, labels: Vec<(&'static str, String)>) -> 
         kv_budget_bytes: cfg.kv_budget_mib << 20,
         kv_block_size: cfg.kv_block_size.max(1),
         priority_aging: Duration::from_millis(cfg.priority_aging_ms),
+        prefix_cache: cfg
+            .prefix_cache
+            .then(|| format!("{model_identity}:{}", cfg.model_version)),
         labels,
     }
 }
@@ -142,7 +151,7 @@ fn start_synthetic(
         error_rate,
         first_token_delay: Duration::from_millis(first_token_delay_ms),
     };
-    let scheduler = scheduler_config(cfg, labels(&model_name));
+    let scheduler = scheduler_config(cfg, labels(&model_name), "synthetic");
     Ok(StartedEngine {
         model: Arc::new(synthetic::SyntheticModel),
         engine: synthetic::start(synthetic, scheduler).map_err(RunError::KvPool)?,
@@ -195,7 +204,7 @@ async fn start_model(
         secs = started.elapsed().as_secs_f32(),
         "model loaded"
     );
-    let scheduler = scheduler_config(cfg, labels(&model_name));
+    let scheduler = scheduler_config(cfg, labels(&model_name), &model.digest);
     Ok(StartedEngine {
         engine: EngineHandle::start(model.clone(), scheduler).map_err(RunError::KvPool)?,
         digest: model.digest.clone(),

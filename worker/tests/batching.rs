@@ -25,6 +25,7 @@ fn config(max_batch: usize, kv_mib: usize) -> SchedulerConfig {
         step_latency_target: None,
         kv_budget_bytes: kv_mib << 20,
         kv_block_size: 16,
+        prefix_cache: None,
         priority_aging: Duration::from_secs(60),
         labels: vec![],
     }

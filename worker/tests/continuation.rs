@@ -44,6 +44,7 @@ fn config() -> SchedulerConfig {
         step_latency_target: None,
         kv_budget_bytes: 64 << 20,
         kv_block_size: 16,
+        prefix_cache: None,
         priority_aging: Duration::from_secs(60),
         labels: vec![],
     }

@@ -6,7 +6,10 @@
 //! 1. commands are applied and sequences whose client left are dropped (their
 //!    KV blocks go back to the pool);
 //! 2. waiting sequences join, by priority with aging, while the batch has
-//!    room and the pool has blocks for their first prompt chunk;
+//!    room and the pool has blocks for their first prompt chunk; with prefix
+//!    caching, a sequence first takes up the cached full blocks its context
+//!    starts with and reads only the rest (a preempted sequence or a
+//!    failover continuation too: its tokens so far are its context);
 //! 3. every decoding sequence gets room for one more token; if the pool is
 //!    full the youngest sequence is preempted (its blocks freed, its tokens
 //!    kept) and goes back to the head of the queue, to be recomputed later;
@@ -16,7 +19,8 @@
 //!    streams keep getting a token every step while a long prompt is read;
 //! 5. one forward pass runs every sequence's share; sequences whose context is
 //!    fully read sample their next token (a sequence the model failed leaves
-//!    with its error).
+//!    with its error); blocks the step filled are registered in the prefix
+//!    cache before any sequence ends, so an ending sequence leaves them cached.
 use super::queue::PriorityQueue;
 use super::{Command, EngineStats, Event, Finish, SchedulerConfig, SequenceRequest, StreamKey};
 use crate::engine::detokenize::TextStream;
@@ -83,7 +87,10 @@ impl<M: StepModel> Scheduler<M> {
         cfg: SchedulerConfig,
         stats: Arc<EngineStats>,
     ) -> Result<Self, candle_core::Error> {
-        let pool = model.kv_pool(cfg.kv_budget_bytes, cfg.kv_block_size)?;
+        let mut pool = model.kv_pool(cfg.kv_budget_bytes, cfg.kv_block_size)?;
+        if let Some(identity) = &cfg.prefix_cache {
+            pool.enable_prefix_cache(identity);
+        }
         stats
             .kv_blocks_total
             .store(pool.total_blocks() as u32, Ordering::SeqCst);
@@ -253,24 +260,50 @@ impl<M: StepModel> Scheduler<M> {
             let Some(mut s) = self.waiting.pop(now) else {
                 break;
             };
+            // Cached leading blocks are taken first: the first chunk starts
+            // after them, and they are no longer evictable to make its room.
+            let cached = self.pool.take_cached_prefix(&mut s.cache, &s.req.context);
             let first_chunk = s.pending().min(self.step_budget());
-            if self.pool.reserve(&mut s.cache, first_chunk).is_err() {
-                // New work waits for blocks; it keeps its place at the head.
+            if self
+                .pool
+                .reserve(&mut s.cache, cached + first_chunk)
+                .is_err()
+            {
+                // New work waits for blocks; it keeps its place at the head
+                // (and its cached blocks, released, are now the most recent).
+                self.pool.release(&mut s.cache);
                 self.waiting.push_front(s.req.priority, s.req.enqueued, s);
                 break;
             }
             self.stats.queued.fetch_sub(1, Ordering::SeqCst);
+            self.count_prompt(s.req.context.len(), cached);
             if !s.started {
                 s.started = true;
                 let _ = s.req.events.send(Event::Started {
                     queued: now - s.req.enqueued,
                 });
             }
-            s.phase =
-                tracing::info_span!(parent: &s.req.span, "prefill", tokens = s.req.context.len());
+            s.phase = tracing::info_span!(
+                parent: &s.req.span,
+                "prefill",
+                tokens = s.req.context.len(),
+                prompt_tokens_cached = cached
+            );
             s.prefilling = true;
             self.active.push(s);
         }
+    }
+
+    /// Counts an admission's context tokens and those the cache served.
+    fn count_prompt(&self, tokens: usize, cached: usize) {
+        let st = &self.stats;
+        st.prompt_tokens_total
+            .fetch_add(tokens as u64, Ordering::Relaxed);
+        st.prompt_tokens_cached
+            .fetch_add(cached as u64, Ordering::Relaxed);
+        let labels = &self.cfg.labels;
+        metrics::counter!("llm_prompt_tokens_total", labels).increment(tokens as u64);
+        metrics::counter!("llm_prefix_cache_hit_tokens_total", labels).increment(cached as u64);
     }
 
     /// Gives every decoding sequence room for its next token, preempting the
@@ -368,6 +401,12 @@ impl<M: StepModel> Scheduler<M> {
                 return;
             }
         };
+        // Before any sequence ends (and lets go of its blocks): what this
+        // step wrote completes blocks the prefix cache can now keep.
+        for &i in &stepping {
+            let s = &mut self.active[i];
+            self.pool.register_full_blocks(&mut s.cache, &s.req.context);
+        }
         let tokens: usize = self.active.iter().map(|s| s.chunk).sum();
         let per_token = started.elapsed().as_secs_f64() / tokens.max(1) as f64;
         self.secs_per_token = if self.secs_per_token == 0.0 {
@@ -448,6 +487,10 @@ impl<M: StepModel> Scheduler<M> {
         }
         let used = self.pool.total_blocks() - self.pool.free_blocks();
         st.kv_blocks_used.store(used as u32, Ordering::SeqCst);
+        let cached = self.pool.cached_blocks();
+        st.kv_blocks_cached.store(cached as u32, Ordering::SeqCst);
+        let evicted = self.pool.evicted_blocks();
+        st.kv_blocks_evicted.store(evicted, Ordering::SeqCst);
         let labels = &self.cfg.labels;
         for (name, d) in ["high", "normal", "low"].iter().zip(depths) {
             let mut l = labels.clone();
@@ -456,6 +499,14 @@ impl<M: StepModel> Scheduler<M> {
         }
         metrics::gauge!("llm_kv_cache_usage_ratio", labels)
             .set(used as f64 / self.pool.total_blocks().max(1) as f64);
+        if self.cfg.prefix_cache.is_some() {
+            metrics::gauge!("llm_prefix_cache_blocks", labels).set(cached as f64);
+            metrics::counter!("llm_prefix_cache_evictions_total", labels).absolute(evicted);
+            let total = st.prompt_tokens_total.load(Ordering::Relaxed);
+            let hits = st.prompt_tokens_cached.load(Ordering::Relaxed);
+            metrics::gauge!("llm_prefix_cache_hit_ratio", labels)
+                .set(hits as f64 / total.max(1) as f64);
+        }
     }
 }
 

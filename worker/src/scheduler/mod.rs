@@ -105,8 +105,19 @@ pub struct EngineStats {
     pub queued: AtomicU32,
     /// Waiting requests per priority: HIGH, NORMAL, LOW.
     pub queued_by_priority: [AtomicU32; 3],
+    /// KV blocks held by sequences.
     pub kv_blocks_used: AtomicU32,
     pub kv_blocks_total: AtomicU32,
+    /// KV blocks no sequence holds, kept by the prefix cache for reuse.
+    pub kv_blocks_cached: AtomicU32,
+    /// Cached KV blocks evicted to make room, since start.
+    pub kv_blocks_evicted: AtomicU64,
+    /// Context tokens of every admission to the batch (a prompt, or for a
+    /// continuation or a preempted sequence's return, the prompt and its
+    /// tokens so far), since start.
+    pub prompt_tokens_total: AtomicU64,
+    /// Of those, tokens served from the prefix cache instead of computed.
+    pub prompt_tokens_cached: AtomicU64,
     pub tokens_generated: AtomicU64,
     pub preemptions: AtomicU64,
     pub draining: AtomicBool,
@@ -130,6 +141,10 @@ pub struct SchedulerConfig {
     pub kv_budget_bytes: usize,
     /// Tokens per KV block.
     pub kv_block_size: usize,
+    /// Automatic prefix caching: `Some(identity)` of the model (file digest
+    /// and version, which seeds the block hashes) keeps full KV blocks after
+    /// their sequence for later ones with the same prefix; None frees them.
+    pub prefix_cache: Option<String>,
     /// A waiting request moves up one priority class per this much waiting.
     pub priority_aging: Duration,
     /// Metric labels of this worker (model, version, worker).

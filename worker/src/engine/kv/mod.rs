@@ -4,11 +4,14 @@
 //! holds) over a storage ([`storage`]: where keys and values live, sized by a
 //! memory budget). Sequences of any length come and go without the memory
 //! fragmenting or growing, and a full pool is a scheduling decision (wait or
-//! preempt), never an allocation failure.
+//! preempt), never an allocation failure. With prefix caching on, full
+//! blocks outlive their sequence and are shared by later ones ([`prefix`]).
 pub mod allocator;
+pub mod prefix;
 pub mod storage;
 
 pub use allocator::{BlockAllocator, KvCache, PoolExhausted};
+pub use prefix::BlockHash;
 pub use storage::{KvShape, KvStorage};
 
 use candle_core::{Device, Tensor};
@@ -83,9 +86,37 @@ impl KvPool {
         self.alloc.total_blocks()
     }
 
-    /// Blocks not held by any sequence.
+    /// Blocks a sequence can take: those no sequence holds, cached ones
+    /// included.
     pub fn free_blocks(&self) -> usize {
         self.alloc.free_blocks()
+    }
+
+    /// Turns automatic prefix caching on for the model `identity` names
+    /// (file digest and version); before the first reservation.
+    pub fn enable_prefix_cache(&mut self, identity: &str) {
+        self.alloc.enable_prefix_cache(identity)
+    }
+
+    /// Blocks no sequence holds that the prefix cache keeps for reuse.
+    pub fn cached_blocks(&self) -> usize {
+        self.alloc.cached_blocks()
+    }
+
+    /// Cached blocks evicted to make room, since start.
+    pub fn evicted_blocks(&self) -> u64 {
+        self.alloc.evicted_blocks()
+    }
+
+    /// Gives an empty `seq` the cached leading full blocks of `context`;
+    /// returns the tokens they hold (see [`BlockAllocator::take_cached_prefix`]).
+    pub fn take_cached_prefix(&mut self, seq: &mut KvCache, context: &[u32]) -> usize {
+        self.alloc.take_cached_prefix(seq, context)
+    }
+
+    /// Registers the blocks of `seq` the last step filled.
+    pub fn register_full_blocks(&mut self, seq: &mut KvCache, context: &[u32]) {
+        self.alloc.register_full_blocks(seq, context)
     }
 
     /// Blocks needed to hold `tokens`.
@@ -103,7 +134,8 @@ impl KvPool {
         self.alloc.reserve(seq, tokens)
     }
 
-    /// Returns a sequence's blocks to the pool.
+    /// Returns a sequence's blocks to the pool (registered ones to the
+    /// prefix cache).
     pub fn release(&mut self, seq: &mut KvCache) {
         self.alloc.release(seq)
     }

@@ -93,6 +93,7 @@ fn config(max_batch: usize, kv_tokens: usize) -> SchedulerConfig {
         step_latency_target: None,
         kv_budget_bytes: kv_tokens,
         kv_block_size: 4,
+        prefix_cache: None,
         priority_aging: Duration::from_secs(1),
         labels: vec![],
     }
@@ -450,3 +451,5 @@ fn an_abort_cancels_only_the_stream_it_names() {
         (t, Some(Event::Finished { reason: Finish::Length, .. })) if t == [2, 3, 4]
     ));
 }
+
+mod prefix;

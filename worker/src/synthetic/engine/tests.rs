@@ -42,6 +42,7 @@ fn scheduler(max_batch: usize, queue_capacity: usize) -> SchedulerConfig {
         step_latency_target: None,
         kv_budget_bytes: 256 << 20,
         kv_block_size: 16,
+        prefix_cache: None,
         priority_aging: Duration::from_secs(2),
         labels: vec![],
     }
