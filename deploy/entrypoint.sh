@@ -13,11 +13,14 @@ set -euo pipefail
 
 die() { echo "tokenmesh-entrypoint: $*" >&2; exit 2; }
 
-# --tls-dir DIR must hold ca.pem, ROLE.pem and ROLE.key.
+# --tls-dir DIR must hold ca.pem, ROLE.pem and ROLE.key (tokenmesh-certs), or
+# ca.crt, tls.crt and tls.key (a cert-manager Secret), as the binaries take them.
 need_tls() {
-  local dir=$1 role=$2 f
+  local dir=$1 role=$2 f files
   [ -d "$dir" ] || die "TLS directory $dir is missing (certificates for role $role; is the certs job done and the volume mounted?)"
-  for f in ca.pem "$role.pem" "$role.key"; do
+  files="ca.pem $role.pem $role.key"
+  if [ ! -e "$dir/$role.pem" ] && [ -e "$dir/tls.crt" ]; then files="ca.crt tls.crt tls.key"; fi
+  for f in $files; do
     [ -r "$dir/$f" ] || die "certificate file $dir/$f is missing or unreadable (role $role)"
   done
 }
@@ -41,9 +44,17 @@ case "${1:-}" in
     exit 0
     ;;
   policy-init)
-    : "${TOKENMESH_MODEL_NAME:?set TOKENMESH_MODEL_NAME}" "${TOKENMESH_STABLE_VERSION:?set TOKENMESH_STABLE_VERSION}"
+    # TOKENMESH_POLICY: the whole policy as JSON without spaces (Kubernetes'
+    # bootstrap Job); else all traffic to TOKENMESH_STABLE_VERSION.
+    : "${TOKENMESH_MODEL_NAME:?set TOKENMESH_MODEL_NAME}"
     key="${TOKENMESH_ETCD_PREFIX:-/tokenmesh}/models/$TOKENMESH_MODEL_NAME/policy"
-    value="{\"stable\":\"$TOKENMESH_STABLE_VERSION\"}"
+    if [ -n "${TOKENMESH_POLICY:-}" ]; then
+      case "$TOKENMESH_POLICY" in *[[:space:]]*) die "TOKENMESH_POLICY must be JSON without spaces" ;; esac
+      value=$TOKENMESH_POLICY
+    else
+      : "${TOKENMESH_STABLE_VERSION:?set TOKENMESH_STABLE_VERSION or TOKENMESH_POLICY}"
+      value="{\"stable\":\"$TOKENMESH_STABLE_VERSION\"}"
+    fi
     # create the key only if it has never been written: a policy changed by an
     # operator (or the control plane) survives `docker compose up` again
     # (txn's parser takes the JSON unquoted: it has no spaces)
@@ -87,7 +98,9 @@ put $key $value
     if [ -n "${TOKENMESH_TLS_DIR:-}" ]; then need_tls "$TOKENMESH_TLS_DIR" control; fi
     ;;
   etcd)
-    [ -z "${ETCD_CERT_FILE:-}" ] || need_tls "$(dirname "$ETCD_CERT_FILE")" "$(basename "$ETCD_CERT_FILE" .pem)"
+    for f in "${ETCD_CERT_FILE:-}" "${ETCD_KEY_FILE:-}" "${ETCD_TRUSTED_CA_FILE:-}"; do
+      [ -z "$f" ] || [ -r "$f" ] || die "etcd certificate file $f is missing or unreadable"
+    done
     ;;
 esac
 exec "$@"

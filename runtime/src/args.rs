@@ -37,7 +37,9 @@ pub struct ServerArgs<const PORT: u16> {
     pub insecure: bool,
 
     /// Directory with ca.pem, {role}.pem and {role}.key (as tokenmesh-certs
-    /// writes them, role = router, worker or control) for mutual TLS.
+    /// writes them, role = router, worker or control) or ca.crt, tls.crt and
+    /// tls.key (as cert-manager writes a Kubernetes Secret) for mutual TLS;
+    /// {role}.pem wins where both are present.
     #[arg(long, env = "TOKENMESH_TLS_DIR")]
     pub tls_dir: Option<PathBuf>,
 
@@ -120,5 +122,54 @@ mod tests {
         assert_eq!(cfg.server.etcd.len(), 2);
         assert_eq!(cfg.server.tls_reload(), Duration::from_millis(10));
         assert!(Cfg::try_parse_from(["t", "--insecure", "--tls-dir", "/x"]).is_err());
+    }
+
+    /// Issues `spiffe://tokenmesh/router/{name}` into `dir` under tokenmesh's
+    /// names (ca.pem, router.pem, router.key).
+    fn issue_router(dir: &std::path::Path, ca: &tokenmesh_certs::Ca, name: &str) {
+        let id = tokenmesh_certs::Identity::new(Role::Router, name).unwrap();
+        let leaf = ca.issue(&tokenmesh_certs::LeafSpec::new(id, 1)).unwrap();
+        tokenmesh_certs::write_leaf(dir, "router", &leaf, ca).unwrap();
+    }
+
+    fn transport_of(dir: &std::path::Path) -> Result<Option<MeshTls>, ServeError> {
+        let dir = dir.to_str().unwrap();
+        let cfg = Cfg::try_parse_from(["t", "--tls-dir", dir]).unwrap();
+        cfg.server.transport(Role::Router, "")
+    }
+
+    #[test]
+    fn tls_dir_takes_cert_manager_file_names() {
+        let ca_dir = tempfile::tempdir().unwrap();
+        let ca = tokenmesh_certs::Ca::load_or_create(ca_dir.path()).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        issue_router(dir.path(), &ca, "r-cm");
+        // The layout of a kubernetes.io/tls Secret volume.
+        for (from, to) in [
+            ("ca.pem", "ca.crt"),
+            ("router.pem", "tls.crt"),
+            ("router.key", "tls.key"),
+        ] {
+            std::fs::rename(dir.path().join(from), dir.path().join(to)).unwrap();
+        }
+        let tls = transport_of(dir.path()).unwrap().unwrap();
+        assert_eq!(tls.store.identity().name, "r-cm");
+        assert_eq!(tls.store.paths().cert, dir.path().join("tls.crt"));
+        assert_eq!(tls.store.paths().ca, dir.path().join("ca.crt"));
+
+        // Both schemes present: the role's own file wins.
+        issue_router(dir.path(), &ca, "r-own");
+        let tls = transport_of(dir.path()).unwrap().unwrap();
+        assert_eq!(tls.store.identity().name, "r-own");
+        assert_eq!(tls.store.paths().key, dir.path().join("router.key"));
+    }
+
+    #[test]
+    fn tls_dir_without_either_scheme_names_both() {
+        let dir = tempfile::tempdir().unwrap();
+        let err = transport_of(dir.path()).unwrap_err().to_string();
+        for name in ["router.pem", "router.key", "tls.crt", "tls.key"] {
+            assert!(err.contains(name), "{err}");
+        }
     }
 }

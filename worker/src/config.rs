@@ -5,8 +5,9 @@ use std::time::Duration;
 use tokenmesh_runtime::ServerArgs;
 
 /// A tokenmesh worker: runs one GGUF model and streams tokens to routers.
-/// With --tls-dir (worker.pem, worker.key) only routers may call, and the
-/// certificate's name is this worker's id (--worker-id defaults to it).
+/// With --tls-dir (worker.pem and worker.key, or cert-manager's tls.crt and
+/// tls.key) only routers may call, and the certificate's name is this
+/// worker's id (--worker-id defaults to it).
 /// Without --etcd it runs standalone, unregistered.
 #[derive(Parser, Clone, Debug)]
 #[command(name = "tokenmesh-worker", version)]

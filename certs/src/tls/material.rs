@@ -1,6 +1,8 @@
 //! Certificate material on disk: `--tls-dir DIR` holds `ca.pem`,
-//! `{role}.pem` and `{role}.key` (as `tokenmesh-certs` writes them), and the
-//! checks every load makes, at start-up and on each reload.
+//! `{role}.pem` and `{role}.key` (as `tokenmesh-certs` writes them) or
+//! `ca.crt`, `tls.crt` and `tls.key` (as cert-manager writes a Secret, and a
+//! Kubernetes Secret volume shows it), and the checks every load makes, at
+//! start-up and on each reload.
 use crate::tls::identity::{Identity, IdentityError, Role};
 use rustls::crypto::CryptoProvider;
 use rustls::pki_types::pem::PemObject;
@@ -45,6 +47,8 @@ pub enum TlsError {
         was: Identity,
         now: Identity,
     },
+    #[error("{dir} holds neither {role}.pem and {role}.key (as tokenmesh-certs writes them) nor tls.crt and tls.key (as cert-manager writes them)")]
+    NoCertificate { dir: PathBuf, role: Role },
     #[error("TLS configuration: {0}")]
     Rustls(#[from] rustls::Error),
     #[error("TLS client verifier: {0}")]
@@ -67,6 +71,35 @@ impl TlsPaths {
             cert: dir.join(format!("{role}.pem")),
             key: dir.join(format!("{role}.key")),
         }
+    }
+
+    /// `dir/ca.crt`, `dir/tls.crt`, `dir/tls.key`: the keys of a
+    /// `kubernetes.io/tls` Secret that cert-manager issues.
+    pub fn cert_manager(dir: &Path) -> Self {
+        Self {
+            ca: dir.join("ca.crt"),
+            cert: dir.join("tls.crt"),
+            key: dir.join("tls.key"),
+        }
+    }
+
+    /// The files of `role` in `dir` under either naming scheme: tokenmesh's
+    /// (`{role}.pem`) where that certificate is present, which also wins
+    /// when both are, else cert-manager's (`tls.crt`). A directory with
+    /// neither is refused, naming both.
+    pub fn find(dir: &Path, role: Role) -> Result<Self, TlsError> {
+        let own = Self::in_dir(dir, role);
+        if own.cert.exists() {
+            return Ok(own);
+        }
+        let cm = Self::cert_manager(dir);
+        if cm.cert.exists() {
+            return Ok(cm);
+        }
+        Err(TlsError::NoCertificate {
+            dir: dir.into(),
+            role,
+        })
     }
 }
 

@@ -62,10 +62,11 @@ pub struct MeshTls {
 }
 
 impl MeshTls {
-    /// Loads `dir/ca.pem`, `dir/{role}.pem` and `dir/{role}.key`, checking
-    /// each; the error names the file at fault.
+    /// Loads `dir/ca.pem`, `dir/{role}.pem` and `dir/{role}.key`, or
+    /// cert-manager's `ca.crt`, `tls.crt` and `tls.key` ([`TlsPaths::find`]),
+    /// checking each; the error names the file at fault.
     pub fn load(dir: &Path, role: Role) -> Result<Self, TlsError> {
-        let paths = TlsPaths::in_dir(dir, role);
+        let paths = TlsPaths::find(dir, role)?;
         let roots = material::load_roots(&paths.ca)?;
         let store = CertStore::load(paths, role)?;
         Ok(Self { store, roots })

@@ -43,7 +43,7 @@ pub async fn connect(addr: &str, tls: &TlsArgs) -> anyhow::Result<Channel> {
             // The client config etcd connections use too: trust ca.pem,
             // present {role}.pem; rustls checks the target's name against
             // its certificate.
-            let config = client_tls(&TlsPaths::in_dir(dir, role))?;
+            let config = client_tls(&TlsPaths::find(dir, role)?)?;
             Endpoint::from_shared(format!("https://{host}"))?.tls_config(config)?
         }
         None => {
