@@ -98,9 +98,10 @@ impl EncodeOptions {
     };
 }
 
+/// Boxed: both are large, and held once per tokenizer.
 enum Model {
-    Bpe(bpe::Bpe),
-    Spm(spm::Spm),
+    Bpe(Box<bpe::Bpe>),
+    Spm(Box<spm::Spm>),
 }
 
 /// A tokenizer read from a GGUF file, with per-token output bytes
@@ -183,7 +184,7 @@ impl GgufTokenizer {
                     .map(|rule| metadata::split_merge(rule))
                     .collect::<Result<Vec<_>, _>>()?;
                 (
-                    Model::Bpe(bpe::Bpe::new(&tokens, merges, pre)?),
+                    Model::Bpe(Box::new(bpe::Bpe::new(&tokens, merges, pre)?)),
                     pre.add_bos,
                     false,
                 )
@@ -191,7 +192,7 @@ impl GgufTokenizer {
             None => {
                 let scores = get_scores(md, tokens.len())?;
                 (
-                    Model::Spm(spm::Spm::new(&tokens, scores, unk_id)),
+                    Model::Spm(Box::new(spm::Spm::new(&tokens, scores, unk_id))),
                     true,
                     true,
                 )

@@ -167,7 +167,7 @@ impl SpecialTokens {
             })
             .collect();
         // Stable, so equally long texts keep id order.
-        list.sort_by(|a, b| b.text.len().cmp(&a.text.len()));
+        list.sort_by_key(|s| std::cmp::Reverse(s.text.len()));
         Self { list }
     }
 
