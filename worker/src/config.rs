@@ -12,6 +12,10 @@ use tokenmesh_runtime::ServerArgs;
 #[derive(Parser, Clone, Debug)]
 #[command(name = "tokenmesh-worker", version)]
 pub struct WorkerConfig {
+    /// Run a tool instead of serving.
+    #[command(subcommand)]
+    pub command: Option<WorkerCommand>,
+
     #[command(flatten)]
     pub server: ServerArgs<50061>,
 
@@ -177,6 +181,15 @@ pub struct WorkerConfig {
     /// (refusing new requests) instead of exiting once in-flight streams end.
     #[arg(long, env = "TOKENMESH_STAY_DRAINED")]
     pub stay_drained: bool,
+}
+
+/// Tools of the worker binary besides serving.
+#[derive(clap::Subcommand, Clone, Debug)]
+pub enum WorkerCommand {
+    /// Tokenize text with a GGUF file's tokenizer: each line of stdin (its
+    /// \n or \r\n removed) becomes one line of token ids on stdout. Reads
+    /// only the metadata, so vocabulary-only GGUF files work too.
+    Tokenize(crate::tokenize::TokenizeArgs),
 }
 
 /// A number in 0..=1.

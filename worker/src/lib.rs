@@ -19,6 +19,7 @@ pub mod scheduler;
 pub mod server;
 pub mod streams;
 pub mod synthetic;
+pub mod tokenize;
 
 use config::{EngineKind, WorkerConfig};
 use engine::LoadedModel;

@@ -1,9 +1,16 @@
 use clap::Parser;
-use tokenmesh_worker::config::WorkerConfig;
+use tokenmesh_worker::config::{WorkerCommand, WorkerConfig};
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cfg = WorkerConfig::parse();
+    if let Some(WorkerCommand::Tokenize(args)) = &cfg.command {
+        let tokenizer = tokenmesh_worker::tokenize::load(args)?;
+        let stdin = std::io::stdin().lock();
+        let stdout = std::io::BufWriter::new(std::io::stdout().lock());
+        tokenmesh_worker::tokenize::run(&tokenizer, args, stdin, stdout)?;
+        return Ok(());
+    }
     let (_telemetry, listener) = tokenmesh_runtime::start("tokenmesh-worker", &cfg.server).await?;
     if let Some(n) = cfg.threads {
         // candle's CPU-side operations size their thread pool from this
