@@ -14,14 +14,21 @@
 #     each proxy's CPU time (needs nginx: apt-get install nginx),
 # (7) observability: the router and worker with tracing (OTLP export to
 #     scripts/otlp_sink.py, or to a closed port with OTLP_SINK=down) and
-#     metrics on, against a mesh with both off, interleaved,
+#     metrics on, against a mesh with both off, interleaved; TRACE_RATIO=0.1
+#     passes --trace-sampling-ratio to the traced router and worker,
 # (8) sampling (issue 20): the real model through the router at 1, 4, 16 and
 #     32 streams, greedy (temperature 0) and at the server's sampling
 #     defaults (temperature 1, no top-k or top-p), interleaved run by run,
 # (9) openai: the router's OpenAI-compatible HTTP API (--api openai, HTTP/1.1
 #     and HTTP/2) against its gRPC API, same router and worker, interleaved,
-#     at 100 streams.
-# ONLY="synthetic real llamacpp sweep ceiling proxies observability sampling openai" picks sections.
+#     at 100 streams,
+# (10) hop (issue 20): the router's hop pinned: tokenmesh-router and nginx
+#     (one worker process) on their own core with taskset (PROXY_CPU, default
+#     1), the worker and the load generator on the other (LOAD_CPU, default
+#     0); direct vs router vs nginx interleaved at 20 and 100 streams, with
+#     each proxy's CPU time per streamed token; BASE_BIN=DIR adds a second
+#     router from DIR (path router-base, e.g. a build of main) to the rotation,
+# ONLY="synthetic real llamacpp sweep ceiling proxies observability sampling openai hop" picks sections.
 # Results go to $OUT (default bench-results/). Every run is short: the whole
 # script takes about ten minutes on two cores.
 set -euo pipefail
@@ -31,8 +38,11 @@ REPS=${REPS:-3}
 THREADS=${THREADS:-1}
 LLAMACPP_PYTHON=${LLAMACPP_PYTHON:-/tmp/llamacpp-venv/bin/python}
 mkdir -p "$OUT"
-cargo build --release --workspace
-BIN=target/release
+# BIN=DIR runs binaries built elsewhere (e.g. a baseline) and skips the build.
+if [ -z "${BIN:-}" ]; then
+  cargo build --release --workspace
+  BIN=target/release
+fi
 
 want() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
 if want real || want llamacpp || want sampling; then
@@ -54,14 +64,15 @@ wait_for() { # wait until meshctl can list models at $1
   echo "nothing serves on $1" >&2; return 1
 }
 ROUTER_ARGS=() # extra router flags for the next mesh
+WORKER_PIN=() ROUTER_PIN=() # e.g. (taskset -c 0): where the next mesh's worker and router run
 mesh() { # mesh NAME MODEL_NAME WORKER_ARGS...: one worker and a router; sets WORKER, ROUTER, ROUTER_PID
   local name=$1 model=$2; shift 2
   local wp rp; wp=$(free_port); rp=$(free_port)
-  $BIN/tokenmesh-worker --insecure --listen 127.0.0.1:$wp --worker-id "$name" --model-name "$model" --log warn "$@" \
+  "${WORKER_PIN[@]}" $BIN/tokenmesh-worker --insecure --listen 127.0.0.1:$wp --worker-id "$name" --model-name "$model" --log warn "$@" \
     >"$OUT/$name-worker.log" 2>&1 & pids+=($!)
   printf '[[workers]]\nid = "%s"\nmodel = "%s"\nversion = "v1"\naddr = "http://127.0.0.1:%s"\n\n[models."%s"]\nstable = "v1"\n' \
     "$name" "$model" "$wp" "$model" >"$OUT/$name-static.toml"
-  $BIN/tokenmesh-router --insecure --listen 127.0.0.1:$rp --static "$OUT/$name-static.toml" --log warn "${ROUTER_ARGS[@]}" \
+  "${ROUTER_PIN[@]}" $BIN/tokenmesh-router --insecure --listen 127.0.0.1:$rp --static "$OUT/$name-static.toml" --log warn "${ROUTER_ARGS[@]}" \
     >"$OUT/$name-router.log" 2>&1 & pids+=($!)
   WORKER=127.0.0.1:$wp; ROUTER=127.0.0.1:$rp; ROUTER_PID=$!
   wait_for "$ROUTER"
@@ -87,6 +98,7 @@ wait_port() { # wait until something accepts TCP connections on $1 (host:port)
   done
   echo "nothing listens on $1" >&2; return 1
 }
+NGINX_PIN=()
 start_nginx() { # start_nginx NAME UPSTREAM: nginx as a plain gRPC proxy to UPSTREAM; sets NGINX, NGINX_PID
   local name=$1 upstream=$2 np d
   np=$(free_port); d=$(mktemp -d); tmpdirs+=("$d")
@@ -119,7 +131,7 @@ http {
 }
 EOF
   cp "$d/nginx.conf" "$OUT/$name-nginx.conf"
-  nginx -c "$d/nginx.conf" -p "$d" >"$OUT/$name-nginx.log" 2>&1 & pids+=($!)
+  "${NGINX_PIN[@]}" nginx -c "$d/nginx.conf" -p "$d" >"$OUT/$name-nginx.log" 2>&1 & pids+=($!)
   NGINX=127.0.0.1:$np; NGINX_PID=$!
   wait_port "$NGINX"
 }
@@ -234,6 +246,59 @@ python3 scripts/bench_compare.py "$OUT/proxies.jsonl" | tee "$OUT/proxies-compar
 python3 scripts/bench_compare.py "$OUT/proxies-ceiling.jsonl" | tee "$OUT/proxies-ceiling-compare.md"
 fi
 
+if want hop; then
+echo "== hop: direct vs router vs nginx, proxies pinned to CPU ${PROXY_CPU:-1}, worker and load on CPU ${LOAD_CPU:-0}"
+command -v nginx >/dev/null || { echo "nginx is not installed (apt-get install nginx)" >&2; exit 1; }
+command -v taskset >/dev/null || { echo "taskset is not installed (util-linux)" >&2; exit 1; }
+PROXY_CPU=${PROXY_CPU:-1}; LOAD_CPU=${LOAD_CPU:-0}
+{ nginx -v 2>&1; nproc; uptime; echo "proxies on CPU $PROXY_CPU, worker and load generator on CPU $LOAD_CPU"; } \
+  | tee "$OUT/hop-machine.txt"
+# The engine at 1000 tokens/s per sequence, 50 tokens per request: request-heavy,
+# so the per-request work of the hop shows as well as the per-token work.
+WORKER_PIN=(taskset -c "$LOAD_CPU"); ROUTER_PIN=(taskset -c "$PROXY_CPU"); NGINX_PIN=(taskset -c "$PROXY_CPU")
+mesh hop synthetic --engine synthetic --synthetic-tokens-per-sec 1000 --max-batch 256 --queue-capacity 1024
+NGINX_WORKERS=1 start_nginx hop "$WORKER" # one worker process: one core, as the router has
+paths=(direct router nginx)
+if [ -n "${BASE_BIN:-}" ]; then
+  bp=$(free_port)
+  "${ROUTER_PIN[@]}" "$BASE_BIN/tokenmesh-router" --insecure --listen 127.0.0.1:$bp --static "$OUT/hop-static.toml" --log warn \
+    >"$OUT/hop-router-base.log" 2>&1 & pids+=($!)
+  BASE_ROUTER=127.0.0.1:$bp; BASE_PID=$!
+  wait_for "$BASE_ROUTER"
+  for _ in $(seq 100); do $BIN/meshctl models --insecure --router "$BASE_ROUTER" | grep -q " 1  hop" && break; sleep 0.1; done
+  paths=(direct router-base router nginx)
+fi
+WORKER_PIN=(); ROUTER_PIN=(); NGINX_PIN=()
+: >"$OUT/hop-cpu.txt"
+for c in 20 100; do
+  : >"$OUT/hop-c$c.jsonl"
+  for rep in $(seq "$REPS"); do
+    for to in "${paths[@]}"; do
+      case $to in
+        direct) args=(--direct --target "$WORKER"); pid= ;;
+        router) args=(--target "$ROUTER"); pid=$ROUTER_PID ;;
+        router-base) args=(--target "$BASE_ROUTER"); pid=$BASE_PID ;;
+        nginx) args=(--direct --target "$NGINX"); pid=$NGINX_PID ;;
+      esac
+      before=0; [ -n "$pid" ] && before=$(tree_cpu_secs "$pid"); t0=$(date +%s.%N)
+      line=$(taskset -c "$LOAD_CPU" $BIN/meshctl bench "${args[@]}" --concurrency $c --max-tokens 50 --prompt-words 32 \
+        --duration 5 --warmup 1 --seed "$rep" --output json --no-progress | tag $to "$rep")
+      echo "$line" >>"$OUT/hop-c$c.jsonl"
+      [ -z "$pid" ] && continue
+      cpu=$(awk -v a="$before" -v b="$(tree_cpu_secs "$pid")" 'BEGIN { print b - a }')
+      wall=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { print b - a }')
+      tps=$(echo "$line" | python3 -c 'import json, sys; print(json.loads(sys.stdin.read())["output_tokens_per_sec"])')
+      # The window's rate times the run's wall time approximates the tokens
+      # the proxy streamed over the run (warm-up, window and drain).
+      echo "c=$c $to rep $rep: tokens/s $tps, proxy CPU $cpu s over $wall s, CPU per streamed token $(awk -v t="$tps" -v c="$cpu" -v w="$wall" 'BEGIN { if (t > 0) printf "%.2f", 1e6 * c / (t * w); else print "n/a" }') us" \
+        | tee -a "$OUT/hop-cpu.txt"
+    done
+  done
+  python3 scripts/bench_compare.py "$OUT/hop-c$c.jsonl" | tee "$OUT/hop-c$c-compare.md"
+done
+cleanup; pids=()
+fi
+
 if want observability; then
 echo "== observability: router tracing + metrics on vs off, 100 streams"
 SINK_PYTHON=${SINK_PYTHON:-${TOKENMESH_PYTHON:-python3}}
@@ -243,14 +308,15 @@ if [ "${OTLP_SINK:-up}" = up ]; then
   wait_port "127.0.0.1:$sink_port"
 fi # else nothing listens there: the collector is down
 { echo "collector: ${OTLP_SINK:-up} (127.0.0.1:$sink_port)"
-  echo "sampler: ${OTEL_TRACES_SAMPLER:-default (parent-based, always on)} ${OTEL_TRACES_SAMPLER_ARG:-}"
+  echo "sampler: ${TRACE_RATIO:+--trace-sampling-ratio $TRACE_RATIO}${TRACE_RATIO:-${OTEL_TRACES_SAMPLER:-default (parent-based, always on)} ${OTEL_TRACES_SAMPLER_ARG:-}}"
   nproc; uptime; } | tee "$OUT/observability-machine.txt"
 obs_args=(--engine synthetic --synthetic-tokens-per-sec 1000 --max-batch 256 --queue-capacity 1024)
 ROUTER_ARGS=()
 mesh obs-off synthetic "${obs_args[@]}"
 OFF_WORKER=$WORKER; OFF_ROUTER=$ROUTER; OFF_PID=$ROUTER_PID
-ROUTER_ARGS=(--otlp-endpoint "http://127.0.0.1:$sink_port" --metrics-listen "127.0.0.1:$(free_port)")
-mesh obs-on synthetic "${obs_args[@]}" --otlp-endpoint "http://127.0.0.1:$sink_port" --metrics-listen "127.0.0.1:$(free_port)"
+ratio_args=(); [ -n "${TRACE_RATIO:-}" ] && ratio_args=(--trace-sampling-ratio "$TRACE_RATIO")
+ROUTER_ARGS=(--otlp-endpoint "http://127.0.0.1:$sink_port" --metrics-listen "127.0.0.1:$(free_port)" "${ratio_args[@]}")
+mesh obs-on synthetic "${obs_args[@]}" --otlp-endpoint "http://127.0.0.1:$sink_port" --metrics-listen "127.0.0.1:$(free_port)" "${ratio_args[@]}"
 ON_ROUTER=$ROUTER; ON_PID=$ROUTER_PID
 ROUTER_ARGS=()
 : >"$OUT/observability.jsonl"; : >"$OUT/observability-cpu.txt"
@@ -320,7 +386,7 @@ cleanup; pids=()
 python3 scripts/bench_compare.py "$OUT/openai.jsonl" --baseline grpc | tee "$OUT/openai-compare.md"
 fi
 
-for f in synthetic real ceiling proxies proxies-ceiling observability sampling openai; do
+for f in synthetic real ceiling proxies proxies-ceiling observability sampling openai hop-c20 hop-c100; do
   [ -s "$OUT/$f.jsonl" ] && python3 scripts/bench_summary.py "$OUT/$f.jsonl" | tee "$OUT/$f.md"
 done
 echo "results in $OUT"

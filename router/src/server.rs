@@ -7,18 +7,16 @@ use crate::admission::Admission;
 use crate::errors::RouterError;
 use crate::registry::Registry;
 use crate::route::version::has_canary;
-use crate::route::{request_span, Api, Incoming, RouteSettings, Router};
+use crate::route::{request_span, Api, ClientMessages, Incoming, RouteSettings, Router};
 use std::sync::Arc;
 use std::time::Instant;
 use tokenmesh_proto::headers;
 use tokenmesh_proto::v1::inference_server::Inference;
 use tokenmesh_proto::v1::{
-    GenerateRequest, GenerateResponse, ListModelsRequest, ListModelsResponse, ModelInfo,
-    VersionInfo,
+    GenerateRequest, ListModelsRequest, ListModelsResponse, ModelInfo, VersionInfo,
 };
 use tokenmesh_proto::validate::{check_id, check_name, check_request, MAX_NAME_BYTES};
 use tokenmesh_runtime::telemetry;
-use tokio_stream::wrappers::ReceiverStream;
 use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
@@ -69,8 +67,7 @@ fn incoming(
         .map(|t| tokio::time::Instant::now() + t);
     let identity = identity_of(&request);
     span.record("identity", identity.as_str());
-    let md = request.metadata().clone();
-    let mut req = request.into_inner();
+    let (md, _, mut req) = request.into_parts();
     check_request(&req)?;
     // Only checked strings reach the span (and the log lines under it).
     span.record("model", req.model.as_str());
@@ -109,7 +106,7 @@ impl InferenceService {
         &self,
         request: Request<GenerateRequest>,
         span: tracing::Span,
-    ) -> Result<Response<ReceiverStream<Result<GenerateResponse, Status>>>, RouterError> {
+    ) -> Result<Response<ClientMessages>, RouterError> {
         let incoming = incoming(request, &span)?;
         let routed = self.router.route(incoming, &span).await?;
         let mut response = Response::new(routed.stream);
@@ -131,7 +128,7 @@ fn header<'a>(md: &'a MetadataMap, name: &str) -> Option<&'a str> {
 
 #[tonic::async_trait]
 impl Inference for InferenceService {
-    type GenerateStream = ReceiverStream<Result<GenerateResponse, Status>>;
+    type GenerateStream = ClientMessages;
 
     async fn generate(
         &self,

@@ -3,9 +3,18 @@
 //!
 //! Traces go to an OTLP/gRPC collector when an endpoint is configured; the
 //! batch exporter runs in the background, so a collector that is down costs
-//! dropped spans, never a slower or failed request. Sampling follows the
-//! standard `OTEL_TRACES_SAMPLER` / `OTEL_TRACES_SAMPLER_ARG` variables
-//! (default: parent-based, always on). Metrics are recorded for Prometheus
+//! dropped spans, never a slower or failed request. Sampling is
+//! `--trace-sampling-ratio` (parent-based: a caller's sampled or unsampled
+//! trace context decides, a new trace is sampled at that ratio); without it,
+//! the standard `OTEL_TRACES_SAMPLER` / `OTEL_TRACES_SAMPLER_ARG` variables
+//! as the SDK reads them (default: parent-based, always on).
+//!
+//! The span layer records what the spans say and nothing per poll: no
+//! busy/idle timings, no thread or source-location attributes, and no
+//! OpenTelemetry context attached on every entry (tokenmesh propagates
+//! context from the span itself, [`inject`]). Each of those cost work on
+//! every poll of an instrumented task, which for a streaming relay is every
+//! token (issue 20). Metrics are recorded for Prometheus
 //! when `--metrics-listen` is given; the listener itself, which also answers
 //! the health probes, is [`crate::probes`].
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
@@ -14,7 +23,7 @@ use opentelemetry::trace::{TraceContextExt, TracerProvider as _};
 use opentelemetry::Context;
 use opentelemetry_otlp::WithExportConfig;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
-use opentelemetry_sdk::trace::SdkTracerProvider;
+use opentelemetry_sdk::trace::{Sampler, SdkTracerProvider};
 use opentelemetry_sdk::Resource;
 use std::net::SocketAddr;
 use std::sync::OnceLock;
@@ -44,12 +53,33 @@ pub struct TelemetryArgs {
     /// OTLP/gRPC endpoint that receives traces, e.g. http://jaeger:4317 (absent or empty: no export).
     #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
     pub otlp_endpoint: Option<String>,
+    /// Share of new traces to sample, 0.0 to 1.0, parent-based: a request
+    /// that carries a trace context keeps its caller's decision (absent: the
+    /// standard OTEL_TRACES_SAMPLER / OTEL_TRACES_SAMPLER_ARG, by default
+    /// every trace).
+    #[arg(long, env = "TOKENMESH_TRACE_SAMPLING_RATIO", value_parser = sampling_ratio)]
+    pub trace_sampling_ratio: Option<f64>,
     /// Plaintext HTTP address that serves Prometheus metrics at /metrics and
     /// the health probes GET /healthz (alive) and GET /readyz (200 when ready
     /// to serve, else 503 and why), for probes that hold no mesh certificate
     /// (absent: no such listener).
     #[arg(long, env = "TOKENMESH_METRICS_LISTEN")]
     pub metrics_listen: Option<SocketAddr>,
+}
+
+/// A sampling ratio: a number from 0 to 1.
+fn sampling_ratio(s: &str) -> Result<f64, String> {
+    let r: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number; give a ratio from 0.0 to 1.0, e.g. 0.1"))?;
+    if (0.0..=1.0).contains(&r) {
+        Ok(r)
+    } else {
+        Err(format!(
+            "{r} is outside 0.0..=1.0; give a ratio, e.g. 0.1 for one trace in ten"
+        ))
+    }
 }
 
 /// Why telemetry could not start.
@@ -120,22 +150,29 @@ pub fn init(service: &str, args: &TelemetryArgs) -> Result<TelemetryGuard, Telem
                 .with_endpoint(endpoint.clone())
                 .build()
                 .map_err(|e| TelemetryError::Exporter(e.to_string()))?;
-            Some(
-                SdkTracerProvider::builder()
-                    .with_batch_exporter(exporter)
-                    .with_resource(
-                        Resource::builder()
-                            .with_service_name(service.to_string())
-                            .build(),
-                    )
-                    .build(),
-            )
+            let mut builder = SdkTracerProvider::builder()
+                .with_batch_exporter(exporter)
+                .with_resource(
+                    Resource::builder()
+                        .with_service_name(service.to_string())
+                        .build(),
+                );
+            if let Some(ratio) = args.trace_sampling_ratio {
+                builder = builder.with_sampler(Sampler::ParentBased(Box::new(
+                    Sampler::TraceIdRatioBased(ratio),
+                )));
+            }
+            Some(builder.build())
         }
         None => None,
     };
     let otel_layer = provider.as_ref().map(|p| {
         tracing_opentelemetry::layer()
             .with_tracer(p.tracer(service.to_string()))
+            .with_tracked_inactivity(false)
+            .with_threads(false)
+            .with_location(false)
+            .with_context_activation(false)
             .with_filter(tracing_subscriber::filter::filter_fn(|m| {
                 m.target().starts_with("tokenmesh")
             }))
@@ -226,5 +263,40 @@ pub fn adopt_parent(span: &tracing::Span, md: &MetadataMap) {
     let trace_id = span.context().span().span_context().trace_id();
     if trace_id != opentelemetry::TraceId::INVALID {
         span.record("trace_id", tracing::field::display(trace_id));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser, Debug)]
+    struct Cfg {
+        #[command(flatten)]
+        telemetry: TelemetryArgs,
+    }
+
+    #[test]
+    fn the_sampling_ratio_is_a_share_from_zero_to_one() {
+        let parse = |v: &str| Cfg::try_parse_from(["t", "--trace-sampling-ratio", v]);
+        assert_eq!(
+            parse("0.1").unwrap().telemetry.trace_sampling_ratio,
+            Some(0.1)
+        );
+        assert_eq!(
+            parse("0").unwrap().telemetry.trace_sampling_ratio,
+            Some(0.0)
+        );
+        assert_eq!(
+            parse("1").unwrap().telemetry.trace_sampling_ratio,
+            Some(1.0)
+        );
+        for bad in ["1.5", "-0.1", "ten", "NaN"] {
+            let err = parse(bad).unwrap_err().to_string();
+            assert!(err.contains("0.0") && err.contains("1.0"), "{bad}: {err}");
+        }
+        let unset = Cfg::try_parse_from(["t"]).unwrap();
+        assert_eq!(unset.telemetry.trace_sampling_ratio, None);
     }
 }

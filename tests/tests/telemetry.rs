@@ -351,3 +351,149 @@ async fn an_openai_http_request_continues_the_callers_trace() {
         .iter()
         .any(|(svc, s)| svc == "tokenmesh-worker" && s.name == "Generate"));
 }
+
+/// A synthetic worker and a plaintext router over it, both with `worker`
+/// and `router` flags.
+async fn synthetic_mesh(
+    id: &str,
+    dir: &std::path::Path,
+    worker: &[&str],
+    router: &[&str],
+) -> (WorkerProc, RouterProc) {
+    let mut extra = vec!["--model-name".to_string(), MODEL.to_string()];
+    extra.extend(worker.iter().map(|s| s.to_string()));
+    let opts = WorkerOpts {
+        extra,
+        synthetic_tokens_per_sec: Some(1000.0),
+        ..WorkerOpts::new(id)
+    };
+    let w = WorkerProc::start(opts, dir).await.unwrap();
+    let r = static_router(dir, &[&w], router).await;
+    (w, r)
+}
+
+/// A collector address that accepts connections and then neither reads nor
+/// answers (the HTTP/2 handshake never completes); with how many
+/// connections it holds.
+async fn black_hole() -> (String, Arc<Mutex<Vec<tokio::net::TcpStream>>>) {
+    let hole = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = format!("http://{}", hole.local_addr().unwrap());
+    let held = Arc::new(Mutex::new(Vec::new()));
+    let holder = held.clone();
+    tokio::spawn(async move {
+        while let Ok((conn, _)) = hole.accept().await {
+            holder.lock().unwrap().push(conn);
+        }
+    });
+    (endpoint, held)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn requests_do_not_wait_on_a_collector_that_never_answers() {
+    // Exports start 100 ms after the first span and then hang for the
+    // exporter's whole 60 s timeout, as against a collector whose host
+    // black-holes them: the requests meanwhile must not wait on it.
+    std::env::set_var("OTEL_BSP_SCHEDULE_DELAY", "100");
+    std::env::set_var("OTEL_EXPORTER_OTLP_TIMEOUT", "60000");
+    let (worker_hole, worker_held) = black_hole().await;
+    let (router_hole, router_held) = black_hole().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (_w, router) = synthetic_mesh(
+        "w-blackhole",
+        dir.path(),
+        &["--otlp-endpoint", &worker_hole],
+        &["--otlp-endpoint", &router_hole],
+    )
+    .await;
+    let mut client = router.client().await;
+    collect(&mut client, prompt_request("one two three", 4))
+        .await
+        .unwrap();
+    // Both processes' exporters are now stuck in an export.
+    for (who, held) in [("worker", &worker_held), ("router", &router_held)] {
+        let stuck = eventually(Duration::from_secs(10), || {
+            let n = held.lock().unwrap().len();
+            async move { n >= 1 }
+        })
+        .await;
+        assert!(
+            stuck,
+            "the {who}'s exporter never connected to its black hole"
+        );
+    }
+    // 640 requests: the worker's four spans each are more than the
+    // exporter's default queue (2,048) holds, so dropping spans past it is
+    // on the path too.
+    let mut clients = Vec::new();
+    for _ in 0..8 {
+        let mut client = router.client().await;
+        clients.push(tokio::spawn(async move {
+            for _ in 0..80 {
+                let t = Instant::now();
+                let out = collect(&mut client, prompt_request("one two three", 4))
+                    .await
+                    .unwrap();
+                assert!(out.finished.is_some());
+                assert!(
+                    t.elapsed() < Duration::from_secs(5),
+                    "a request waited {:?} with the export hanging",
+                    t.elapsed()
+                );
+            }
+        }));
+    }
+    for c in clients {
+        c.await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_sampling_ratio_of_zero_keeps_only_the_traces_callers_sampled() {
+    std::env::set_var("OTEL_BSP_SCHEDULE_DELAY", "100");
+    let (receiver, endpoint) = start_receiver().await;
+    let dir = tempfile::tempdir().unwrap();
+    // Only the router samples at 0; the worker's default sampler follows
+    // the router's decision, which the trace context carries.
+    let (_w, router) = synthetic_mesh(
+        "w-ratio",
+        dir.path(),
+        &["--otlp-endpoint", &endpoint],
+        &["--otlp-endpoint", &endpoint, "--trace-sampling-ratio", "0"],
+    )
+    .await;
+    let mut client = router.client().await;
+    let unsampled_parent = "00-11111111111111111111111111111111-2222222222222222-00";
+    for i in 0..6 {
+        let mut req = Request::new(prompt_request("one two three", 4));
+        if i % 2 == 1 {
+            let v = unsampled_parent.parse().unwrap();
+            req.metadata_mut().insert("traceparent", v);
+        }
+        let mut stream = client.generate(req).await.unwrap().into_inner();
+        while stream.message().await.unwrap().is_some() {}
+    }
+    // Last, a request whose caller sampled its trace.
+    let trace_id = "5bf92f3577b34da6a3ce929d0e0e4737";
+    let mut req = Request::new(prompt_request("one two three", 4));
+    req.metadata_mut().insert(
+        "traceparent",
+        format!("00-{trace_id}-10f067aa0ba902b7-01")
+            .parse()
+            .unwrap(),
+    );
+    let mut stream = client.generate(req).await.unwrap().into_inner();
+    while stream.message().await.unwrap().is_some() {}
+    // Each process exports its spans in the order they end: once the
+    // sampled trace is in from both, any span of the earlier requests
+    // would be too.
+    spans_of_trace(&receiver, trace_id, &["route", "decode"]).await;
+    let others: Vec<String> = receiver
+        .spans
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(_, s)| hex(&s.trace_id) != trace_id)
+        .map(|(svc, s)| format!("{svc}/{} in {}", s.name, hex(&s.trace_id)))
+        .collect();
+    assert!(others.is_empty(), "unsampled traces exported: {others:?}");
+}

@@ -1,10 +1,12 @@
 //! One sequence's reply: the engine's events for it turned into numbered
 //! wire messages (`Accepted`, `Delta`s, one `Finished`, or an error status),
-//! with the per-request metrics counted as they pass.
+//! with the per-request metrics counted as they pass. The per-token series'
+//! handles are looked up once per sequence, not per token (issue 20).
 use crate::errors::WorkerError;
 use crate::scheduler::{Event, Finish};
 use crate::server::{record_outcome, Labels, WorkerIdentity};
 use crate::streams::LiveStream;
+use metrics::{Counter, Gauge, Histogram};
 use std::time::{Duration, Instant};
 use tokenmesh_proto::v1::{
     generate_response, Accepted, Arm, Delta, FinishReason, Finished, GenerateResponse, Timings,
@@ -40,12 +42,16 @@ pub(crate) struct Relay {
     last_token: Option<Instant>,
     /// The outcome; a stream dropped without one was cancelled by its client.
     code: tonic::Code,
+    active: Gauge,
+    ttft: Histogram,
+    itl: Histogram,
+    tokens: Counter,
 }
 
 impl Drop for Relay {
     fn drop(&mut self) {
         let labels = &self.to.labels;
-        metrics::gauge!("llm_active_streams", labels).decrement(1.0);
+        self.active.decrement(1.0);
         metrics::histogram!("llm_request_duration_seconds", labels)
             .record(self.to.started.elapsed().as_secs_f64());
         record_outcome(labels, self.code);
@@ -58,9 +64,15 @@ impl Drop for Relay {
 impl Relay {
     /// A reply that counts itself as an active stream until it ends.
     pub(crate) fn new(to: ReplyTo) -> Self {
-        metrics::gauge!("llm_active_streams", &to.labels).increment(1.0);
+        let labels = &to.labels;
+        let active = metrics::gauge!("llm_active_streams", labels);
+        active.increment(1.0);
         Self {
             completion_tokens: to.already_emitted,
+            ttft: metrics::histogram!("llm_time_to_first_token_seconds", labels),
+            itl: metrics::histogram!("llm_inter_token_latency_seconds", labels),
+            tokens: metrics::counter!("llm_tokens_generated_total", labels),
+            active,
             to,
             seq: 0,
             queued: Duration::ZERO,
@@ -152,15 +164,12 @@ impl Relay {
     async fn token(&mut self, id: u32, text: String, logprob: Option<f32>) -> bool {
         self.completion_tokens += 1;
         let now = Instant::now();
-        let labels = &self.to.labels;
         match self.last_token {
-            None => metrics::histogram!("llm_time_to_first_token_seconds", labels)
-                .record((now - self.to.started).as_secs_f64()),
-            Some(prev) => metrics::histogram!("llm_inter_token_latency_seconds", labels)
-                .record((now - prev).as_secs_f64()),
+            None => self.ttft.record((now - self.to.started).as_secs_f64()),
+            Some(prev) => self.itl.record((now - prev).as_secs_f64()),
         }
         self.last_token = Some(now);
-        metrics::counter!("llm_tokens_generated_total", labels).increment(1);
+        self.tokens.increment(1);
         let delta = self.delta(vec![id], text, logprob.into_iter().collect());
         self.send(delta).await
     }

@@ -16,7 +16,6 @@ use tokenmesh_proto::validate::InvalidField;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
-use tracing::Instrument;
 
 /// Who this worker is, as it registers and reports itself.
 #[derive(Clone, Debug)]
@@ -162,10 +161,13 @@ impl Worker for WorkerService {
             out: out_tx,
             labels,
             started: enqueued,
-            span: span.clone(),
+            span,
             _live: live,
         });
-        tokio::spawn(relay.run(events_rx).instrument(span));
+        // Not instrumented: entering the span on every poll, that is every
+        // token, is a per-token cost (issue 20); the relay logs nothing and
+        // records on its span explicitly.
+        tokio::spawn(relay.run(events_rx));
         let mut response = Response::new(ReceiverStream::new(out_rx));
         let md = response.metadata_mut();
         if let Ok(v) = self.identity.version.parse() {

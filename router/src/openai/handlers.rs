@@ -404,7 +404,7 @@ fn incoming(
     Ok((incoming, answer, parsed.stream))
 }
 
-type Messages = tokio_stream::wrappers::ReceiverStream<Result<GenerateResponse, Status>>;
+type Messages = crate::route::ClientMessages;
 
 /// A non-streamed answer: the whole stream, then one JSON object (or the
 /// error it ended with).

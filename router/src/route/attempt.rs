@@ -99,7 +99,11 @@ impl Attempts {
         let mut last: Option<Status> = None;
         for retry in 0..self.limits.max_attempts.max(1) {
             let candidates = self.registry.endpoints(&self.request.model, &self.version);
-            route.record("candidates", describe(&candidates).as_str());
+            // Formatting the candidates costs more than the pick itself;
+            // only a span that records anything gets them.
+            if !route.is_disabled() {
+                route.record("candidates", describe(&candidates).as_str());
+            }
             let Some(ep) = p2c::pick(&candidates, &self.tried, &mut rand::rng()) else {
                 break;
             };

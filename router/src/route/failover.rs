@@ -9,17 +9,23 @@
 //! client sees one unbroken stream (no gap in `seq`, no token lost or
 //! repeated); if no worker can continue it ends with UNAVAILABLE. Each
 //! failover is routed in its own `route` span, a child of the request's
-//! `Generate` span. A client that goes away drops the upstream stream at
-//! once, which frees the sequence on the worker.
+//! `Generate` span. The relay runs inside the client's stream
+//! ([`super::pump`]): a client that goes away drops that stream and with it
+//! the upstream stream, at once, which frees the sequence on the worker.
+//!
+//! The relay is not instrumented with the request's span: entering and
+//! leaving a span on every poll, that is every token, cost the router about
+//! an eighth of its instructions with tracing on (issue 20); its log lines
+//! name the span as their parent instead.
 use super::attempt::{Attempts, Upstream};
 use super::meter::StreamMeter;
+use super::pump::Outbox;
 use super::route_span;
 use crate::admission::Permit;
 use crate::errors::RouterError;
 use std::time::Instant;
 use tokenmesh_proto::codes::classify;
 use tokenmesh_proto::v1::{generate_response::Event, Accepted, GenerateResponse};
-use tokio::sync::mpsc;
 use tonic::Status;
 use tracing::Span;
 
@@ -44,7 +50,7 @@ pub struct FailoverContext {
 /// The client's side of the stream: numbering, the tokens delivered so far,
 /// and the metrics.
 struct ClientStream {
-    out: mpsc::Sender<Result<GenerateResponse, Status>>,
+    out: Outbox<Result<GenerateResponse, Status>>,
     seq: u64,
     emitted: Vec<u32>,
     meter: StreamMeter,
@@ -52,20 +58,20 @@ struct ClientStream {
 }
 
 impl ClientStream {
-    /// Sends the next message; false if the client has gone away.
-    async fn send(&mut self, event: Event) -> bool {
+    /// Sends the next message.
+    async fn send(&mut self, event: Event) {
         let msg = GenerateResponse {
             seq: self.seq,
             event: Some(event),
         };
         self.seq += 1;
-        self.out.send(Ok(msg)).await.is_ok()
+        self.out.send(Ok(msg)).await;
     }
 
     /// Ends the stream with `status`.
     async fn fail(&mut self, status: Status) {
         self.meter.code = status.code();
-        let _ = self.out.send(Err(status)).await;
+        self.out.send(Err(status)).await;
     }
 
     /// Ends the stream because no worker can continue it.
@@ -77,11 +83,12 @@ impl ClientStream {
 }
 
 /// Pumps messages from workers to the client until the stream finishes, the
-/// client leaves, the deadline passes, or no worker can continue.
+/// deadline passes, or no worker can continue (a client that leaves drops
+/// this future).
 pub async fn run(
     mut ctx: FailoverContext,
     mut upstream: Upstream,
-    out: mpsc::Sender<Result<GenerateResponse, Status>>,
+    out: Outbox<Result<GenerateResponse, Status>>,
 ) {
     let meter = StreamMeter::new(
         &ctx.accepted.model,
@@ -97,9 +104,7 @@ pub async fn run(
         meter,
         failovers: 0,
     };
-    if !client.send(Event::Accepted(ctx.accepted.clone())).await {
-        return;
-    }
+    client.send(Event::Accepted(ctx.accepted.clone())).await;
     let deadline = ctx.attempts.deadline();
     let expiry = async {
         match deadline {
@@ -130,10 +135,6 @@ async fn relay(
     loop {
         let next = tokio::select! {
             m = upstream.stream.message() => m,
-            _ = client.out.closed() => {
-                tracing::debug!(request_id = %ctx.accepted.request_id, "client went away; dropping upstream");
-                return None;
-            }
             _ = expiry.as_mut() => {
                 // Dropping the upstream stream cancels the worker's sequence.
                 upstream.attempt.ended(tonic::Code::DeadlineExceeded);
@@ -164,9 +165,7 @@ async fn relay(
                 }
                 client.meter.tokens(d.token_ids.len());
                 client.emitted.extend_from_slice(&d.token_ids);
-                if !client.send(Event::Delta(d)).await {
-                    return None;
-                }
+                client.send(Event::Delta(d)).await;
             }
             Some(Event::Finished(mut f)) => {
                 // Every finish reason ends the stream as the worker sent it,
@@ -201,6 +200,7 @@ async fn fail_over(
     // The lost worker's load and client span end here; it is not tried again.
     drop(lost);
     tracing::warn!(
+        parent: &ctx.span,
         request_id = %ctx.accepted.request_id,
         worker = %from,
         delivered = client.emitted.len(),
@@ -228,6 +228,7 @@ async fn fail_over(
     metrics::counter!("llm_failovers_total", "model" => ctx.accepted.model.clone(), "version" => version)
         .increment(1);
     tracing::info!(
+        parent: &ctx.span,
         request_id = %ctx.accepted.request_id,
         from = %from,
         to = %next.guard.endpoint().id,

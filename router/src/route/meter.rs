@@ -2,7 +2,12 @@
 //! once, when the stream ends whichever way it ends (also when the client
 //! goes away mid-stream, which drops it). Every series carries the `api` it
 //! came through (`grpc` or `openai`).
+//!
+//! The handles of the per-token series are looked up once, when the stream
+//! starts: a lookup by name and labels hashes and allocates its labels, which
+//! per token was a measurable share of the router's CPU (issue 20).
 use super::Api;
+use metrics::{Counter, Gauge, Histogram};
 use std::time::Instant;
 use tokenmesh_proto::codes::{classify, code_name};
 use tracing::Span;
@@ -19,6 +24,10 @@ pub struct StreamMeter {
     /// The request's `Generate` span: the first token is an event on it and
     /// a failed stream marks it as an error.
     span: Span,
+    active: Gauge,
+    ttft: Histogram,
+    itl: Histogram,
+    tokens: Counter,
 }
 
 /// Counts a request refused before it had a stream (bad input, unknown
@@ -33,11 +42,22 @@ pub fn refused(model: &str, api: Api, code: tonic::Code) {
     }
 }
 
+fn labels(model: &str, version: &str, api: Api) -> [(&'static str, String); 3] {
+    [
+        ("model", model.to_string()),
+        ("version", version.to_string()),
+        ("api", api.as_str().to_string()),
+    ]
+}
+
 impl StreamMeter {
     /// Starts metering a stream of `model`/`version` received at `started`
     /// through `api`.
     pub fn new(model: &str, version: &str, started: Instant, span: Span, api: Api) -> Self {
-        let meter = Self {
+        let labels = labels(model, version, api);
+        let active = metrics::gauge!("llm_active_streams", &labels);
+        active.increment(1.0);
+        Self {
             model: model.into(),
             version: version.into(),
             api,
@@ -45,17 +65,11 @@ impl StreamMeter {
             last_token: None,
             code: tonic::Code::Cancelled,
             span,
-        };
-        metrics::gauge!("llm_active_streams", &meter.labels()).increment(1.0);
-        meter
-    }
-
-    fn labels(&self) -> [(&'static str, String); 3] {
-        [
-            ("model", self.model.clone()),
-            ("version", self.version.clone()),
-            ("api", self.api.as_str().to_string()),
-        ]
+            active,
+            ttft: metrics::histogram!("llm_time_to_first_token_seconds", &labels),
+            itl: metrics::histogram!("llm_inter_token_latency_seconds", &labels),
+            tokens: metrics::counter!("llm_tokens_generated_total", &labels),
+        }
     }
 
     /// `n` more tokens reached the client.
@@ -64,25 +78,22 @@ impl StreamMeter {
             return;
         }
         let now = Instant::now();
-        let labels = self.labels();
         match self.last_token {
             None => {
-                metrics::histogram!("llm_time_to_first_token_seconds", &labels)
-                    .record((now - self.started).as_secs_f64());
+                self.ttft.record((now - self.started).as_secs_f64());
                 tracing::info!(parent: &self.span, tokens = n, "first token");
             }
-            Some(prev) => metrics::histogram!("llm_inter_token_latency_seconds", &labels)
-                .record((now - prev).as_secs_f64() / n as f64),
+            Some(prev) => self.itl.record((now - prev).as_secs_f64() / n as f64),
         }
-        metrics::counter!("llm_tokens_generated_total", &labels).increment(n as u64);
+        self.tokens.increment(n as u64);
         self.last_token = Some(now);
     }
 }
 
 impl Drop for StreamMeter {
     fn drop(&mut self) {
-        let labels = self.labels();
-        metrics::gauge!("llm_active_streams", &labels).decrement(1.0);
+        self.active.decrement(1.0);
+        let labels = labels(&self.model, &self.version, self.api);
         metrics::histogram!("llm_request_duration_seconds", &labels)
             .record(self.started.elapsed().as_secs_f64());
         metrics::counter!(

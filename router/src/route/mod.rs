@@ -11,7 +11,8 @@
 //!    token with backoff, paid from the version's [`retry_budget`]; after it,
 //!    [`failover`] continues the stream on another worker;
 //! 6. [`failover`] also drops the upstream stream when the client leaves or
-//!    its deadline passes; [`meter`] records the stream's metrics.
+//!    its deadline passes; [`meter`] records the stream's metrics; [`pump`]
+//!    runs the relay inside the client's stream, in the task that sends it.
 //!
 //! [`Router::route`] runs the steps; the gRPC service in `server.rs` and the
 //! OpenAI-compatible HTTP API in `openai/` only turn a request into an
@@ -20,6 +21,7 @@ pub mod attempt;
 pub mod failover;
 pub mod meter;
 pub mod p2c;
+pub mod pump;
 pub mod retry_budget;
 pub mod version;
 
@@ -34,8 +36,6 @@ use std::time::Instant;
 use tokenmesh_proto::v1::{Accepted, GenerateRequest, GenerateResponse};
 use tokenmesh_proto::validate::MAX_NAME_BYTES;
 use tokenmesh_runtime::Backoff;
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 use tonic::Status;
 use tracing::{Instrument, Span};
 use version::{choose_version, VersionAsk, VersionChoice};
@@ -92,14 +92,18 @@ pub struct Incoming {
     pub api: Api,
 }
 
-/// A request routed to its first worker; the stream is carried on in a task.
+/// The client's messages, numbered, across failovers: the relay runs as the
+/// stream is read.
+pub type ClientMessages = pump::Pump<Result<GenerateResponse, Status>>;
+
+/// A request routed to its first worker; the stream carries it on.
 pub struct Routed {
     /// The version serving the request.
     pub version: String,
     /// The first worker serving it (a failover may move it).
     pub worker_id: String,
     /// The client's messages, numbered, across failovers.
-    pub stream: ReceiverStream<Result<GenerateResponse, Status>>,
+    pub stream: ClientMessages,
 }
 
 /// The request path of one router.
@@ -180,8 +184,8 @@ impl Router {
     }
 
     /// Admits and routes one request and opens its first worker stream; the
-    /// rest of the stream is carried by a failover task inside `span`, the
-    /// request's `Generate` span.
+    /// rest of the stream is carried by the failover relay inside `span`, the
+    /// request's `Generate` span, as the returned stream is read.
     pub async fn route(&self, incoming: Incoming, span: &Span) -> Result<Routed, RouterError> {
         // An unknown model is the caller's mistake, refused before it takes
         // an admission slot.
@@ -234,12 +238,11 @@ impl Router {
             span: span.clone(),
             api: incoming.api,
         };
-        let (tx, rx) = mpsc::channel(32);
-        tokio::spawn(failover::run(ctx, upstream, tx).instrument(span.clone()));
+        let stream = pump::Pump::new(|out| failover::run(ctx, upstream, out));
         Ok(Routed {
             version: choice.version,
             worker_id,
-            stream: ReceiverStream::new(rx),
+            stream,
         })
     }
 

@@ -10,6 +10,7 @@
 //!
 //! One budget per model version: retries and failovers stay within the
 //! request's version, and a failing canary must not spend stable's budget.
+use metrics::Counter;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -55,11 +56,14 @@ impl RetryReason {
     }
 }
 
-/// The budget of one model version.
+/// The budget of one model version, with its counters looked up once.
 pub struct RetryBudget {
     budget: TpsBudget,
     model: String,
     version: String,
+    refused: Counter,
+    stream_lost: Counter,
+    exhausted: Counter,
 }
 
 impl std::fmt::Debug for RetryBudget {
@@ -79,8 +83,12 @@ impl RetryBudget {
     /// If `cfg` is outside the ranges [`RetryBudgetConfig`] documents (the
     /// flags are checked when parsed).
     pub fn new(cfg: RetryBudgetConfig, model: &str, version: &str) -> Self {
+        let retries = |reason: RetryReason| metrics::counter!("llm_router_retries_total", "model" => model.to_string(), "version" => version.to_string(), "reason" => reason.label());
         Self {
             budget: TpsBudget::new(cfg.ttl, cfg.min_per_sec, cfg.ratio),
+            refused: retries(RetryReason::Refused),
+            stream_lost: retries(RetryReason::StreamLost),
+            exhausted: metrics::counter!("llm_router_retry_budget_exhausted_total", "model" => model.to_string(), "version" => version.to_string()),
             model: model.into(),
             version: version.into(),
         }
@@ -93,17 +101,15 @@ impl RetryBudget {
 
     /// Takes one retry from the budget; false (and counted) when it is spent.
     pub fn withdraw(&self, reason: RetryReason) -> bool {
-        let labels = [
-            ("model", self.model.clone()),
-            ("version", self.version.clone()),
-        ];
         if self.budget.withdraw() {
-            let mut with_reason = labels.to_vec();
-            with_reason.push(("reason", reason.label().to_string()));
-            metrics::counter!("llm_router_retries_total", &with_reason).increment(1);
+            match reason {
+                RetryReason::Refused => &self.refused,
+                RetryReason::StreamLost => &self.stream_lost,
+            }
+            .increment(1);
             true
         } else {
-            metrics::counter!("llm_router_retry_budget_exhausted_total", &labels).increment(1);
+            self.exhausted.increment(1);
             false
         }
     }
