@@ -77,7 +77,7 @@ async fn native_and_upstream_workers_of_one_version_stream_through_the_router() 
     assert!(direct.1.contains("Paris"), "{:?}", direct.1);
 
     let router = static_router(dir.path(), &[&native, &u1, &u2], &[]).await;
-    let mut client = router.client().await;
+    let client = router.client().await;
     let mut served: BTreeMap<String, Vec<(Vec<u32>, String)>> = BTreeMap::new();
     let mut calls = Vec::new();
     for _ in 0..9 {
@@ -144,7 +144,7 @@ async fn collect_worker(worker: &WorkerProc, req: GenerateRequest) -> (Vec<u32>,
 #[tokio::test(flavor = "multi_thread")]
 async fn killing_an_upstream_engine_mid_stream_fails_over_gapless() {
     let dir = tempfile::tempdir().unwrap();
-    let mut engines = vec![
+    let engines = vec![
         LlamaServer::start("llama-1", 1, dir.path()).await.unwrap(),
         LlamaServer::start("llama-2", 1, dir.path()).await.unwrap(),
     ];
