@@ -144,7 +144,7 @@ async fn collect_worker(worker: &WorkerProc, req: GenerateRequest) -> (Vec<u32>,
 #[tokio::test(flavor = "multi_thread")]
 async fn killing_an_upstream_engine_mid_stream_fails_over_gapless() {
     let dir = tempfile::tempdir().unwrap();
-    let engines = vec![
+    let engines = [
         LlamaServer::start("llama-1", 1, dir.path()).await.unwrap(),
         LlamaServer::start("llama-2", 1, dir.path()).await.unwrap(),
     ];

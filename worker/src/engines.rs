@@ -20,8 +20,9 @@ pub enum ServingEngine {
         model: Arc<dyn PromptModel>,
         engine: EngineHandle,
     },
-    /// An existing engine behind its HTTP API.
-    Upstream(UpstreamEngine),
+    /// An existing engine behind its HTTP API (boxed: its handle is far
+    /// larger than the scheduler's).
+    Upstream(Box<UpstreamEngine>),
 }
 
 impl ServingEngine {

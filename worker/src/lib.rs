@@ -130,7 +130,7 @@ async fn start_upstream(
     let engine_model = info.model.clone();
     let engine = setup.engine(info, cfg.max_batch, cfg.queue_capacity, labels(&model_name));
     Ok(StartedEngine {
-        engine: ServingEngine::Upstream(engine),
+        engine: ServingEngine::Upstream(Box::new(engine)),
         model_name,
         digest: String::new(),
         accelerator: match setup.accelerator.as_str() {
