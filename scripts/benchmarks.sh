@@ -27,8 +27,11 @@
 #     1), the worker and the load generator on the other (LOAD_CPU, default
 #     0); direct vs router vs nginx interleaved at 20 and 100 streams, with
 #     each proxy's CPU time per streamed token; BASE_BIN=DIR adds a second
-#     router from DIR (path router-base, e.g. a build of main) to the rotation,
-# ONLY="synthetic real llamacpp sweep ceiling proxies observability sampling openai hop" picks sections.
+#     router from DIR (path router-base, e.g. a build of main) to the rotation.
+# (11) upstream (issue 21): llama-server (scripts/llama-cpp.sh) called
+#     directly against the same llama-server behind the router and an
+#     upstream worker, interleaved, at 1 and 16 streams.
+# ONLY="synthetic real llamacpp sweep ceiling proxies observability sampling openai hop upstream" picks sections.
 # Results go to $OUT (default bench-results/). Every run is short: the whole
 # script takes about ten minutes on two cores.
 set -euo pipefail
@@ -38,14 +41,15 @@ REPS=${REPS:-3}
 THREADS=${THREADS:-1}
 LLAMACPP_PYTHON=${LLAMACPP_PYTHON:-/tmp/llamacpp-venv/bin/python}
 mkdir -p "$OUT"
-# BIN=DIR runs binaries built elsewhere (e.g. a baseline) and skips the build.
+# BIN=DIR runs binaries built elsewhere (e.g. a baseline) and skips the build;
+# NO_BUILD=1 uses the binaries already in target/release.
 if [ -z "${BIN:-}" ]; then
-  cargo build --release --workspace
+  [ -n "${NO_BUILD:-}" ] || cargo build --release --workspace
   BIN=target/release
 fi
 
 want() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
-if want real || want llamacpp || want sampling; then
+if want real || want llamacpp || want sampling || want upstream; then
   MODEL=$($BIN/meshctl fetch-model --python "${TOKENMESH_PYTHON:-python3}")
 fi
 cpu_secs() { # utime + stime of a process, seconds
@@ -386,7 +390,39 @@ cleanup; pids=()
 python3 scripts/bench_compare.py "$OUT/openai.jsonl" --baseline grpc | tee "$OUT/openai-compare.md"
 fi
 
-for f in synthetic real ceiling proxies proxies-ceiling observability sampling openai hop-c20 hop-c100; do
+if want upstream; then
+echo "== upstream engine: llama-server directly vs through the router and an upstream worker, 1 and 16 streams"
+# llama-server from scripts/llama-cpp.sh (TOKENMESH_LLAMA_CPP), $THREADS
+# thread(s), 16 slots; the direct path is its OpenAI-compatible
+# /v1/completions (HTTP/1.1), the mesh path gRPC to the router, which the
+# upstream worker forwards to llama-server's /completion as token ids.
+LLAMA_SERVER=${TOKENMESH_LLAMA_CPP:-target/llama.cpp}/bin/llama-server
+[ -x "$LLAMA_SERVER" ] || { echo "no $LLAMA_SERVER: run scripts/llama-cpp.sh" >&2; exit 1; }
+{ nproc; uptime; "$LLAMA_SERVER" --version 2>&1 | head -1; } | tee "$OUT/upstream-machine.txt"
+lp=$(free_port)
+"$LLAMA_SERVER" -m "$MODEL" --host 127.0.0.1 --port "$lp" -t "$THREADS" -np 16 -c 16384 --metrics --no-webui \
+  >"$OUT/upstream-llama-server.log" 2>&1 & pids+=($!)
+for _ in $(seq 300); do curl -fs "http://127.0.0.1:$lp/health" >/dev/null && break; sleep 0.2; done
+: >"$OUT/upstream-compare.md"
+mesh upstream smollm2-135m-instruct --engine upstream --upstream-url "http://127.0.0.1:$lp" --max-batch 16
+: >"$OUT/upstream.jsonl"
+for c in 1 16; do
+  : >"$OUT/upstream-c$c.jsonl"
+  for rep in $(seq "$REPS"); do
+    for to in direct router; do
+      if [ $to = direct ]; then args=(--api openai --target "127.0.0.1:$lp"); else args=(--target "$ROUTER"); fi
+      $BIN/meshctl bench "${args[@]}" --concurrency $c --max-tokens 32 --prompt-words 32 --temperature 0 \
+        --duration "${UPSTREAM_DURATION:-8}" --warmup 2 --seed "$rep" --output json --no-progress \
+        | tag "$to" "$rep" | tee -a "$OUT/upstream.jsonl" >>"$OUT/upstream-c$c.jsonl"
+    done
+  done
+  echo "-- $c stream(s)" | tee -a "$OUT/upstream-compare.md"
+  python3 scripts/bench_compare.py "$OUT/upstream-c$c.jsonl" --baseline direct | tee -a "$OUT/upstream-compare.md"
+done
+cleanup; pids=()
+fi
+
+for f in synthetic real ceiling proxies proxies-ceiling observability sampling openai hop-c20 hop-c100 upstream; do
   [ -s "$OUT/$f.jsonl" ] && python3 scripts/bench_summary.py "$OUT/$f.jsonl" | tee "$OUT/$f.md"
 done
 echo "results in $OUT"

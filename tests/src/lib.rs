@@ -15,6 +15,7 @@ pub mod openai;
 pub mod pki;
 pub mod process;
 pub mod raw;
+pub mod upstream;
 
 pub use clients::{generate_client, grpcurl, grpcurl_output};
 pub use etcd::Etcd;
@@ -32,3 +33,4 @@ pub use openai::{
 pub use pki::{channel, Creds, Pki};
 pub use process::{bin, bin_dir, eventually, free_port, Proc};
 pub use raw::{raw_call, RawCodec};
+pub use upstream::{llama_cpp_bin, scripted_engine, LlamaServer};

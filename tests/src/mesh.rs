@@ -38,6 +38,9 @@ pub struct WorkerOpts {
     /// Run the synthetic engine at this many tokens/s per sequence instead
     /// of the real model.
     pub synthetic_tokens_per_sec: Option<f64>,
+    /// Front the llama-server at this URL (`--engine upstream`) instead of
+    /// running the real model.
+    pub upstream_url: Option<String>,
     /// Serve mutual TLS from this `--tls-dir` instead of `--insecure`; the
     /// harness then probes with `probe` (a router certificate).
     pub tls: Option<(PathBuf, Creds)>,
@@ -75,6 +78,7 @@ impl WorkerOpts {
             etcd: None,
             extra: vec![],
             synthetic_tokens_per_sec: None,
+            upstream_url: None,
             tls: None,
             pass_worker_id: true,
         }
@@ -96,14 +100,22 @@ impl WorkerProc {
         if opts.pass_worker_id {
             args.extend(["--worker-id".into(), opts.id.clone()]);
         }
-        match opts.synthetic_tokens_per_sec {
-            Some(rate) => args.extend([
+        match (opts.synthetic_tokens_per_sec, &opts.upstream_url) {
+            (_, Some(url)) => args.extend([
+                "--engine".into(),
+                "upstream".into(),
+                "--upstream-url".into(),
+                url.clone(),
+                "--model-name".into(),
+                MODEL.into(),
+            ]),
+            (Some(rate), None) => args.extend([
                 "--engine".into(),
                 "synthetic".into(),
                 "--synthetic-tokens-per-sec".into(),
                 rate.to_string(),
             ]),
-            None => args.extend([
+            (None, None) => args.extend([
                 "--model".into(),
                 model_path().display().to_string(),
                 "--threads".into(),

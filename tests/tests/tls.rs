@@ -253,6 +253,9 @@ async fn impostor_registered_under_another_id_is_refused() {
         capacity: 8,
         labels: Default::default(),
         started_at: String::new(),
+        continues_from_token_ids: true,
+        engine: String::new(),
+        engine_model: String::new(),
     };
     etcd.client()
         .await

@@ -28,11 +28,16 @@ pub struct WorkerConfig {
     #[arg(long, env = "TOKENMESH_LEASE_TTL", default_value_t = 10)]
     pub lease_ttl: u64,
 
-    /// Engine: `model` runs the GGUF model; `synthetic` loads no model and
-    /// emits deterministic words at --synthetic-tokens-per-sec per sequence,
-    /// for router tests and benchmarks (never for serving users).
+    /// Engine: `model` runs the GGUF model; `upstream` forwards to an
+    /// existing engine at --upstream-url (llama-server, vLLM); `synthetic`
+    /// loads no model and emits deterministic words at
+    /// --synthetic-tokens-per-sec per sequence, for router tests and
+    /// benchmarks (never for serving users).
     #[arg(long, env = "TOKENMESH_ENGINE", value_enum, default_value_t = EngineKind::Model)]
     pub engine: EngineKind,
+
+    #[command(flatten)]
+    pub upstream: crate::upstream::UpstreamArgs,
 
     /// Synthetic engine only: tokens per second of each running sequence
     /// (capacity is --max-batch, the queue --queue-capacity).
@@ -207,6 +212,8 @@ fn parse_fraction(s: &str) -> Result<f64, String> {
 pub enum EngineKind {
     /// The GGUF model (the default).
     Model,
+    /// An existing engine behind its HTTP API (--upstream-url).
+    Upstream,
     /// Deterministic words at a set rate, no model; for tests and benchmarks.
     Synthetic,
 }

@@ -44,6 +44,9 @@ pub enum WorkerError {
     Submit(#[from] SubmitError),
     #[error("the model failed: {0}")]
     Engine(String),
+    /// An upstream engine's failure, with the code it maps to.
+    #[error(transparent)]
+    Upstream(#[from] crate::upstream::UpstreamError),
 }
 
 impl WorkerError {
@@ -62,6 +65,7 @@ impl WorkerError {
             WorkerError::Submit(SubmitError::QueueFull { .. }) => Code::ResourceExhausted,
             WorkerError::Submit(_) => Code::Unavailable,
             WorkerError::Engine(_) => Code::Internal,
+            WorkerError::Upstream(e) => e.code(),
         };
         Status::new(code, self.to_string())
     }

@@ -10,6 +10,7 @@ pub mod config;
 pub mod drain;
 pub mod drain_key;
 pub mod engine;
+pub mod engines;
 pub mod errors;
 pub mod model_cache;
 pub mod registration;
@@ -20,9 +21,11 @@ pub mod server;
 pub mod streams;
 pub mod synthetic;
 pub mod tokenize;
+pub mod upstream;
 
 use config::{EngineKind, WorkerConfig};
 use engine::LoadedModel;
+use engines::ServingEngine;
 use scheduler::{EngineHandle, SchedulerConfig};
 use server::{WorkerIdentity, WorkerService};
 use std::future::Future;
@@ -46,6 +49,8 @@ pub enum RunError {
     #[error("{0} applies to the synthetic engine only; add --engine synthetic or drop it")]
     SyntheticOnly(&'static str),
     #[error(transparent)]
+    Upstream(#[from] upstream::SetupError),
+    #[error(transparent)]
     Device(#[from] accelerator::AcceleratorError),
     #[error("allocating the KV cache pool: {0}")]
     KvPool(candle_core::Error),
@@ -68,8 +73,7 @@ const LOADING: &str = "model";
 
 /// A running engine and what the worker reports about it.
 struct StartedEngine {
-    model: Arc<dyn request::PromptModel>,
-    engine: EngineHandle,
+    engine: ServingEngine,
     model_name: String,
     digest: String,
     /// Reported as accelerator: `cpu`, `cuda`, or `synthetic`.
@@ -78,6 +82,9 @@ struct StartedEngine {
     device: String,
     /// The real device, for memory telemetry (None for the synthetic engine).
     accel: Option<accelerator::Accelerator>,
+    /// An upstream engine's kind, its model's name there, and its poll
+    /// interval (None for the worker's own engines).
+    upstream: Option<(upstream::UpstreamKind, String, Duration)>,
 }
 
 /// Loads the GGUF model and starts its engine thread, or starts the
@@ -90,18 +97,52 @@ async fn start_engine(cfg: &WorkerConfig, worker_id: &str) -> Result<StartedEngi
             ("worker", worker_id.to_string()),
         ]
     };
-    match cfg.engine {
-        EngineKind::Synthetic => start_synthetic(cfg, labels),
-        EngineKind::Model => {
-            if cfg.synthetic_error_rate.is_some() {
-                return Err(RunError::SyntheticOnly("--synthetic-error-rate"));
-            }
-            if cfg.synthetic_first_token_delay_ms.is_some() {
-                return Err(RunError::SyntheticOnly("--synthetic-first-token-delay-ms"));
-            }
-            start_model(cfg, labels).await
+    if cfg.engine != EngineKind::Synthetic {
+        if cfg.synthetic_error_rate.is_some() {
+            return Err(RunError::SyntheticOnly("--synthetic-error-rate"));
+        }
+        if cfg.synthetic_first_token_delay_ms.is_some() {
+            return Err(RunError::SyntheticOnly("--synthetic-first-token-delay-ms"));
         }
     }
+    match cfg.engine {
+        EngineKind::Synthetic => start_synthetic(cfg, labels),
+        EngineKind::Model => start_model(cfg, labels).await,
+        EngineKind::Upstream => start_upstream(cfg, labels).await,
+    }
+}
+
+/// Connects to the upstream engine (waiting until it answers) and learns
+/// its model; nothing is loaded here.
+async fn start_upstream(
+    cfg: &WorkerConfig,
+    labels: impl Fn(&str) -> Vec<(&'static str, String)>,
+) -> Result<StartedEngine, RunError> {
+    let setup = upstream::Setup::new(&cfg.upstream)?;
+    let info = setup.discover().await;
+    let model_name = cfg.model_name.clone().unwrap_or_else(|| info.model.clone());
+    tracing::info!(
+        url = setup.url(),
+        kind = setup.kind.name(),
+        engine_model = %info.model,
+        context = info.context_length,
+        "upstream engine answers"
+    );
+    let engine_model = info.model.clone();
+    let engine = setup.engine(info, cfg.max_batch, cfg.queue_capacity, labels(&model_name));
+    Ok(StartedEngine {
+        engine: ServingEngine::Upstream(Box::new(engine)),
+        model_name,
+        digest: String::new(),
+        accelerator: match setup.accelerator.as_str() {
+            "cuda" => "cuda",
+            "npu" => "npu",
+            _ => "cpu",
+        },
+        device: format!("{} at {}", setup.kind.name(), setup.url()),
+        accel: None,
+        upstream: Some((setup.kind, engine_model, setup.poll)),
+    })
 }
 
 /// The scheduler's settings from the flags, with the metrics' labels and
@@ -154,13 +195,16 @@ fn start_synthetic(
     };
     let scheduler = scheduler_config(cfg, labels(&model_name), "synthetic");
     Ok(StartedEngine {
-        model: Arc::new(synthetic::SyntheticModel),
-        engine: synthetic::start(synthetic, scheduler).map_err(RunError::KvPool)?,
+        engine: ServingEngine::Scheduler {
+            model: Arc::new(synthetic::SyntheticModel),
+            engine: synthetic::start(synthetic, scheduler).map_err(RunError::KvPool)?,
+        },
         model_name,
         digest: "synthetic".into(),
         accelerator: "synthetic",
         device: "synthetic".into(),
         accel: None,
+        upstream: None,
     })
 }
 
@@ -207,13 +251,16 @@ async fn start_model(
     );
     let scheduler = scheduler_config(cfg, labels(&model_name), &model.digest);
     Ok(StartedEngine {
-        engine: EngineHandle::start(model.clone(), scheduler).map_err(RunError::KvPool)?,
+        engine: ServingEngine::Scheduler {
+            engine: EngineHandle::start(model.clone(), scheduler).map_err(RunError::KvPool)?,
+            model: model.clone(),
+        },
         digest: model.digest.clone(),
-        model,
         model_name,
         accelerator: accel.kind,
         device: accel.name.clone(),
         accel: Some(accel),
+        upstream: None,
     })
 }
 
@@ -267,16 +314,35 @@ pub async fn run(
         spawn_memory_gauges(accel, &identity.worker_id, &cfg.device);
     }
     let engine = started.engine;
-    let service = WorkerService::new(
-        started.model,
-        engine.clone(),
-        identity.clone(),
-        cfg.default_max_tokens,
-    );
+    let service = WorkerService::new(engine.clone(), identity.clone(), cfg.default_max_tokens);
     let bound = tokenmesh_runtime::serve::bound(&listener)?;
     let (deregister_tx, deregister_rx) = watch::channel(false);
-    let registration = registration_of(&cfg, &identity, &started.digest, bound, etcd_tls.clone())
-        .map(|reg| tokio::spawn(registration::run(reg, readiness.clone(), deregister_rx)));
+    let mut record = record_of(&cfg, &identity, &started.digest, bound);
+    // An upstream worker is ready, and registered, only while its engine
+    // answers.
+    let engine_up = match (&engine, &started.upstream) {
+        (ServingEngine::Upstream(up), Some((kind, engine_model, poll))) => {
+            record.engine = kind.name().to_string();
+            record.engine_model = engine_model.clone();
+            readiness.not_ready(
+                upstream::load::CONDITION,
+                "the upstream engine is not polled yet",
+            );
+            let (up_tx, up_rx) = watch::channel(false);
+            up.spawn_poller(readiness.clone(), up_tx, *poll);
+            Some(up_rx)
+        }
+        _ => None,
+    };
+    let registration = registration_of(&cfg, &identity, &record, etcd_tls.clone()).map(|reg| {
+        let readiness = readiness.clone();
+        tokio::spawn(async move {
+            match engine_up {
+                Some(up) => registration::run_while(reg, readiness, deregister_rx, up).await,
+                None => registration::run(reg, readiness, deregister_rx).await,
+            }
+        })
+    });
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let drain = drain::Drain {
         key: (!cfg.server.etcd.is_empty()).then(|| drain_key::DrainKey {
@@ -348,19 +414,14 @@ fn spawn_memory_gauges(accel: accelerator::Accelerator, worker_id: &str, device:
     });
 }
 
-/// The etcd registration `workers/{model}/{version}/{worker_id}`, if the
-/// worker runs with etcd.
-fn registration_of(
+/// The worker's etcd record.
+fn record_of(
     cfg: &WorkerConfig,
     identity: &WorkerIdentity,
     digest: &str,
     bound: std::net::SocketAddr,
-    tls: Option<tokenmesh_certs::tls::TlsPaths>,
-) -> Option<registration::RegistrationConfig> {
-    if cfg.server.etcd.is_empty() {
-        return None;
-    }
-    let record = WorkerRecord {
+) -> WorkerRecord {
+    WorkerRecord {
         addr: cfg.advertised_addr(bound),
         model_digest: digest.to_string(),
         accelerator: identity.accelerator.clone(),
@@ -370,14 +431,32 @@ fn registration_of(
         started_at: time::OffsetDateTime::now_utc()
             .format(&time::format_description::well_known::Rfc3339)
             .unwrap_or_default(),
-    };
+        // Both the worker's own engines and its upstream kinds take a
+        // continuation's emitted tokens as ids.
+        continues_from_token_ids: true,
+        engine: String::new(),
+        engine_model: String::new(),
+    }
+}
+
+/// The etcd registration `workers/{model}/{version}/{worker_id}`, if the
+/// worker runs with etcd.
+fn registration_of(
+    cfg: &WorkerConfig,
+    identity: &WorkerIdentity,
+    record: &WorkerRecord,
+    tls: Option<tokenmesh_certs::tls::TlsPaths>,
+) -> Option<registration::RegistrationConfig> {
+    if cfg.server.etcd.is_empty() {
+        return None;
+    }
     Some(registration::RegistrationConfig {
         endpoints: cfg.server.etcd.clone(),
         key: cfg
             .server
             .keys()
             .worker(&identity.model_name, &identity.version, &identity.worker_id),
-        value: serde_json::to_string(&record).expect("a WorkerRecord serializes"),
+        value: serde_json::to_string(record).expect("a WorkerRecord serializes"),
         ttl: cfg.lease_ttl(),
         tls,
     })

@@ -104,3 +104,33 @@ async fn register_once(
 pub(crate) const REQUESTS: etcd::Use = etcd::Use::Requests {
     timeout: Duration::from_secs(3),
 };
+
+/// As [`run`], but registered only while `up` is true (an upstream worker's
+/// engine answers): when it turns false the key is deleted and the lease
+/// revoked, so routers stop choosing the worker, and when it turns true
+/// again the worker registers anew.
+pub async fn run_while(
+    cfg: RegistrationConfig,
+    readiness: Readiness,
+    mut shutdown: watch::Receiver<bool>,
+    mut up: watch::Receiver<bool>,
+) {
+    loop {
+        tokio::select! {
+            r = up.wait_for(|&u| u) => if r.is_err() { return },
+            _ = shutdown.wait_for(|&s| s) => return,
+        }
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let registered = tokio::spawn(run(cfg.clone(), readiness.clone(), stop_rx));
+        let leaving = tokio::select! {
+            _ = up.wait_for(|&u| !u) => false,
+            _ = shutdown.wait_for(|&s| s) => true,
+        };
+        let _ = stop_tx.send(true);
+        let _ = registered.await;
+        if leaving {
+            return;
+        }
+        tracing::info!(key = %cfg.key, "upstream engine away; deregistered until it answers again");
+    }
+}

@@ -153,6 +153,10 @@ impl Relay {
                     self.fail(WorkerError::Engine(msg).into_status()).await;
                     false
                 }
+                Some(Event::Status(status)) => {
+                    self.fail(status).await;
+                    false
+                }
             };
             if !more {
                 return;

@@ -83,6 +83,15 @@ pub struct Prepared {
     pub priority: crate::scheduler::Priority,
 }
 
+/// The sizes request preparation checks a request against.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// Tokens of context (prompt and completion) a sequence may fill.
+    pub context_length: usize,
+    /// Token ids are below this.
+    pub vocab_size: usize,
+}
+
 /// Validates `req` against the model and the KV cache, and tokenizes it.
 /// A prompt neither holds is refused here, before the router has told its
 /// client the request was accepted.
@@ -91,6 +100,20 @@ pub fn prepare(
     serving: &Serving,
     req: &WorkerGenerateRequest,
 ) -> Result<Prepared, WorkerError> {
+    let g = checked(serving, req)?;
+    let limits = Limits {
+        context_length: model.context_length(),
+        vocab_size: model.vocab_size(),
+    };
+    prepare_tokens(limits, serving, req, g, model.encode_prompt(g)?)
+}
+
+/// The client request inside `req`, checked on its own and against the
+/// model this worker serves.
+pub fn checked<'a>(
+    serving: &Serving,
+    req: &'a WorkerGenerateRequest,
+) -> Result<&'a GenerateRequest, WorkerError> {
     let g = req.request.as_ref().ok_or_else(|| {
         WorkerError::Invalid(tokenmesh_proto::validate::InvalidField {
             field: "request",
@@ -104,9 +127,21 @@ pub fn prepare(
             served: serving.model_name.clone(),
         });
     }
-    let context_len = model.context_length();
+    Ok(g)
+}
+
+/// The rest of [`prepare`] once the prompt of `g`, the [`checked`] request
+/// of `req`, is tokenized (by the worker's model, or by an upstream engine).
+pub fn prepare_tokens(
+    limits: Limits,
+    serving: &Serving,
+    req: &WorkerGenerateRequest,
+    g: &GenerateRequest,
+    prompt: Vec<u32>,
+) -> Result<Prepared, WorkerError> {
+    let context_len = limits.context_length;
     let kv_capacity = serving.kv_capacity;
-    let mut context = model.encode_prompt(g)?;
+    let mut context = prompt;
     let prompt_tokens = context.len();
     if prompt_tokens >= context_len {
         return Err(WorkerError::PromptTooLong {
@@ -122,7 +157,7 @@ pub fn prepare(
             capacity: kv_capacity,
         });
     }
-    let vocab = model.vocab_size() as u32;
+    let vocab = limits.vocab_size as u32;
     if let Some(bad) = req.emitted_token_ids.iter().find(|&&t| t >= vocab) {
         return Err(WorkerError::BadContinuation(format!(
             "token id {bad} is outside the vocabulary of {vocab}"

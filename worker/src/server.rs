@@ -1,11 +1,11 @@
 //! The `tokenmesh.v1.Worker` gRPC service.
+use crate::engines::ServingEngine;
 use crate::errors::WorkerError;
 use crate::reply::{Relay, ReplyTo};
-use crate::request::{prepare, PromptModel, Serving};
-use crate::scheduler::{EngineHandle, SequenceRequest, StreamKey};
+use crate::request::Serving;
+use crate::scheduler::{SequenceRequest, StreamKey};
 use crate::streams::LiveStreams;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 use std::time::Instant;
 use tokenmesh_proto::v1::worker_server::Worker;
 use tokenmesh_proto::v1::{
@@ -28,12 +28,11 @@ pub struct WorkerIdentity {
     pub capacity: u32,
 }
 
-/// Serves Generate, Abort and Status over one engine: the real model or the
-/// synthetic one, which the router cannot tell apart.
+/// Serves Generate, Abort and Status over one engine: the real model, the
+/// synthetic one or an upstream engine, which the router cannot tell apart.
 #[derive(Clone)]
 pub struct WorkerService {
-    model: Arc<dyn PromptModel>,
-    engine: EngineHandle,
+    engine: ServingEngine,
     identity: WorkerIdentity,
     serving: Serving,
     live: LiveStreams,
@@ -52,19 +51,13 @@ impl WorkerService {
     }
 
     /// A service over a started engine.
-    pub fn new(
-        model: Arc<dyn PromptModel>,
-        engine: EngineHandle,
-        identity: WorkerIdentity,
-        default_max_tokens: usize,
-    ) -> Self {
+    pub fn new(engine: ServingEngine, identity: WorkerIdentity, default_max_tokens: usize) -> Self {
         let serving = Serving {
             model_name: identity.model_name.clone(),
             default_max_tokens,
             kv_capacity: engine.kv_capacity(),
         };
         Self {
-            model,
             engine,
             identity,
             serving,
@@ -105,7 +98,10 @@ impl Worker for WorkerService {
         tokenmesh_runtime::telemetry::adopt_parent(&span, request.metadata());
         let req = request.into_inner();
         let labels = self.labels();
-        let prepared = prepare(self.model.as_ref(), &self.serving, &req)
+        let prepared = self
+            .engine
+            .prepare(&self.serving, &req)
+            .await
             .map_err(|e| refused(&span, &labels, e.into_status()))?;
         let request_id = req
             .request
@@ -130,21 +126,25 @@ impl Worker for WorkerService {
         span.record("attempt_id", key.attempt_id.as_str());
         span.record("prompt_tokens", prepared.prompt_tokens);
         self.engine
-            .submit(SequenceRequest {
-                request_id: request_id.clone(),
-                attempt_id: key.attempt_id.clone(),
-                context: prepared.context,
-                already_emitted: prepared.already_emitted,
-                max_tokens: prepared.max_tokens,
-                sampling: prepared.sampling,
-                stop: prepared.stop,
-                logprobs: prepared.logprobs,
-                events: events_tx,
-                enqueued,
-                priority: prepared.priority,
-                span: span.clone(),
-            })
-            .map_err(|e| refused(&span, &labels, WorkerError::from(e).into_status()))?;
+            .submit(
+                SequenceRequest {
+                    request_id: request_id.clone(),
+                    attempt_id: key.attempt_id.clone(),
+                    context: prepared.context,
+                    already_emitted: prepared.already_emitted,
+                    max_tokens: prepared.max_tokens,
+                    sampling: prepared.sampling,
+                    stop: prepared.stop,
+                    logprobs: prepared.logprobs,
+                    events: events_tx,
+                    enqueued,
+                    priority: prepared.priority,
+                    span: span.clone(),
+                },
+                deadline,
+            )
+            .await
+            .map_err(|e| refused(&span, &labels, e.into_status()))?;
         tracing::debug!(
             request_id,
             attempt_id = %key.attempt_id,
@@ -219,6 +219,9 @@ impl Worker for WorkerService {
     }
 
     async fn status(&self, _: Request<StatusRequest>) -> Result<Response<StatusResponse>, Status> {
+        if let Some(why) = self.engine.unavailable() {
+            return Err(Status::unavailable(why));
+        }
         let stats = self.engine.stats();
         Ok(Response::new(StatusResponse {
             worker_id: self.identity.worker_id.clone(),
@@ -240,7 +243,7 @@ impl Worker for WorkerService {
             accelerator: self.identity.accelerator.clone(),
             device: self.identity.device.clone(),
             draining: stats.draining.load(Ordering::SeqCst),
-            max_context: self.model.context_length() as u32,
+            max_context: self.engine.context_length() as u32,
             capacity: self.identity.capacity,
         }))
     }

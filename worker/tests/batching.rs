@@ -71,6 +71,7 @@ async fn tokens(mut rx: mpsc::UnboundedReceiver<Event>) -> Vec<u32> {
             Event::Token { id, .. } => out.push(id),
             Event::Finished { .. } => return out,
             Event::Failed(m) | Event::Rejected(m) => panic!("{m}"),
+            Event::Status(s) => panic!("{s}"),
             Event::Started { .. } => {}
         }
     }

@@ -36,6 +36,10 @@ struct StaticWorker {
     addr: String,
     #[serde(default)]
     capacity: Option<u32>,
+    /// false for a worker whose engine cannot continue a stream from token
+    /// ids (see `WorkerRecord::continues_from_token_ids`).
+    #[serde(default)]
+    continues_from_token_ids: Option<bool>,
 }
 
 /// Loads the file into the registry.
@@ -58,6 +62,9 @@ pub fn load(path: &Path, registry: &Registry) -> Result<(), DiscoveryError> {
             capacity: w.capacity.unwrap_or(1),
             labels: Default::default(),
             started_at: String::new(),
+            continues_from_token_ids: w.continues_from_token_ids.unwrap_or(true),
+            engine: String::new(),
+            engine_model: String::new(),
         };
         registry
             .upsert_worker(&w.id, &w.model, &w.version, record)

@@ -98,7 +98,11 @@ impl Attempts {
     pub async fn open(&mut self, emitted: &[u32], route: &Span) -> Result<Upstream, RouterError> {
         let mut last: Option<Status> = None;
         for retry in 0..self.limits.max_attempts.max(1) {
-            let candidates = self.registry.endpoints(&self.request.model, &self.version);
+            let mut candidates = self.registry.endpoints(&self.request.model, &self.version);
+            if !emitted.is_empty() {
+                // A continuation sends the emitted tokens as ids.
+                candidates.retain(|e| e.record.continues_from_token_ids);
+            }
             // Formatting the candidates costs more than the pick itself;
             // only a span that records anything gets them.
             if !route.is_disabled() {

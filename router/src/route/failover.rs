@@ -7,7 +7,10 @@
 //! the stream breaks before it finished, the request continues on another
 //! worker of the same version from the tokens already delivered, so the
 //! client sees one unbroken stream (no gap in `seq`, no token lost or
-//! repeated); if no worker can continue it ends with UNAVAILABLE. Each
+//! repeated); if no worker can continue it ends with UNAVAILABLE, as it
+//! does at once when the lost worker's registration says its engine cannot
+//! continue from token ids (`continues_from_token_ids`), and a continuation
+//! goes only to workers that can. Each
 //! failover is routed in its own `route` span, a child of the request's
 //! `Generate` span. The relay runs inside the client's stream
 //! ([`super::pump`]): a client that goes away drops that stream and with it
@@ -197,6 +200,7 @@ async fn fail_over(
 ) -> Option<Upstream> {
     lost.attempt.ended(failure.code());
     let from = lost.guard.endpoint().id.clone();
+    let continues = lost.guard.endpoint().record.continues_from_token_ids;
     // The lost worker's load and client span end here; it is not tried again.
     drop(lost);
     tracing::warn!(
@@ -207,6 +211,14 @@ async fn fail_over(
         error = %failure.message(),
         "worker lost mid-stream"
     );
+    // Deltas were delivered (seq 0 is Accepted) by a worker whose engine
+    // cannot resume from token ids: starting over elsewhere would repeat
+    // or change what the client has, so the stream ends here.
+    if client.seq > 1 && !continues {
+        let reason = format!("worker {from} cannot continue a stream from token ids");
+        client.lost(reason).await;
+        return None;
+    }
     if client.failovers >= ctx.max_failovers {
         let reason = format!("failover limit of {} reached", ctx.max_failovers);
         client.lost(reason).await;

@@ -62,6 +62,8 @@ pub enum Event {
     Failed(String),
     /// The sequence can never run here (it needs more KV cache than exists).
     Rejected(String),
+    /// An upstream engine failed the sequence; the status says how.
+    Status(tonic::Status),
 }
 
 /// One sequence to generate.

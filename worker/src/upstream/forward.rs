@@ -1,0 +1,187 @@
+//! One sequence on the engine: its streaming answer read event by event and
+//! turned into the scheduler's [`Event`]s, until it finishes, fails, is
+//! aborted, or its reply goes away (the client left or its deadline passed),
+//! which drops the HTTP response and so stops the engine's work on it.
+use super::dialect::{parse_event, Chunk, End};
+use super::error::UpstreamError;
+use super::sse::SseParser;
+use super::UpstreamKind;
+use crate::scheduler::{EngineStats, Event, Finish, SequenceRequest};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::oneshot;
+
+/// What a forwarded sequence needs besides its request.
+pub(super) struct Forward {
+    pub kind: UpstreamKind,
+    /// End-of-generation ids, not output.
+    pub eog: Arc<[u32]>,
+    pub stats: Arc<EngineStats>,
+    /// The worker's metric labels.
+    pub labels: Vec<(&'static str, String)>,
+    /// Stops the sequence as CANCELLED.
+    pub abort: oneshot::Receiver<()>,
+}
+
+/// The sequence's progress.
+struct Progress {
+    /// Completion tokens this worker has output.
+    tokens: usize,
+    /// Tokens the engine says it generated (llama-server counts every one,
+    /// also those it left out of the stream).
+    engine_tokens: usize,
+    first_token: Option<Duration>,
+    /// Text the engine sent without a token, delivered with the next one.
+    pending_text: String,
+}
+
+impl Forward {
+    /// Relays `body` to `req.events` until the sequence ends.
+    pub(super) async fn run(mut self, mut body: Incoming, req: SequenceRequest) {
+        let mut parser = SseParser::default();
+        let mut progress = Progress {
+            tokens: 0,
+            engine_tokens: 0,
+            first_token: None,
+            pending_text: String::new(),
+        };
+        let outcome = loop {
+            let frame = tokio::select! {
+                f = body.frame() => f,
+                _ = req.events.closed() => {
+                    tracing::debug!("reply gone; dropping the engine's stream");
+                    return;
+                }
+                _ = &mut self.abort => break Ok(Some((Finish::Cancelled, None))),
+            };
+            let data = match frame {
+                None => {
+                    break Err(UpstreamError::Unfinished {
+                        tokens: progress.tokens,
+                    })
+                }
+                Some(Err(e)) => {
+                    break Err(UpstreamError::Broken {
+                        tokens: progress.tokens,
+                        reason: super::http::error_chain(&e),
+                    })
+                }
+                Some(Ok(frame)) => match frame.into_data() {
+                    Ok(data) => data,
+                    Err(_) => continue, // trailers
+                },
+            };
+            match parser
+                .push(&data)
+                .and_then(|events| self.events(&events, &req, &mut progress))
+            {
+                Ok(None) => {}
+                Ok(Some(end)) => break Ok(Some(end)),
+                Err(e) => break Err(e),
+            }
+        };
+        match outcome {
+            Ok(Some((reason, stop))) => {
+                let _ = req.events.send(Event::Finished {
+                    reason,
+                    stop,
+                    tail: std::mem::take(&mut progress.pending_text),
+                    completion_tokens: (req.already_emitted + progress.tokens) as u32,
+                    first_token: progress.first_token,
+                    total: req.enqueued.elapsed(),
+                });
+            }
+            Ok(None) => {}
+            Err(e) => {
+                tracing::warn!(error = %e, tokens = progress.tokens, "upstream stream failed");
+                e.count(&self.labels);
+                let status = tonic::Status::new(e.code(), e.to_string());
+                let _ = req.events.send(Event::Status(status));
+            }
+        }
+    }
+
+    /// Handles the SSE events of one read; the end, once one says so.
+    fn events(
+        &self,
+        events: &[String],
+        req: &SequenceRequest,
+        progress: &mut Progress,
+    ) -> Result<Option<(Finish, Option<String>)>, UpstreamError> {
+        for data in events {
+            let chunk = parse_event(self.kind, data)?;
+            if chunk.done {
+                return Err(UpstreamError::Unfinished {
+                    tokens: progress.tokens,
+                });
+            }
+            let end = chunk.end.clone();
+            self.chunk(chunk, req, progress);
+            if let Some(end) = end {
+                return Ok(Some(match end {
+                    End::Eos => (Finish::Eos, None),
+                    End::Length => (Finish::Length, None),
+                    End::Stop(s) => (Finish::Stop, Some(s)),
+                }));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Sends a chunk's tokens, its text with the last of them.
+    fn chunk(&self, chunk: Chunk, req: &SequenceRequest, progress: &mut Progress) {
+        let Chunk {
+            tokens,
+            text,
+            logprobs,
+            generated,
+            ..
+        } = chunk;
+        progress.pending_text.push_str(&text);
+        let out: Vec<u32> = tokens
+            .iter()
+            .copied()
+            // The end-of-turn token is not part of the output or its usage,
+            // as on the worker's own engine.
+            .filter(|t| !(text.is_empty() && self.eog.contains(t)))
+            .collect();
+        progress.engine_tokens += tokens.len();
+        if let Some(generated) = generated {
+            if generated > progress.engine_tokens {
+                // llama-server leaves a token whose bytes end inside a UTF-8
+                // character out of the stream (its text comes with the
+                // next one): the text is whole, the id is lost.
+                tracing::debug!(
+                    missing = generated - progress.engine_tokens,
+                    "engine left token ids out of its stream"
+                );
+                let mut labels = self.labels.clone();
+                labels.push(("kind", "token_ids_missing".to_string()));
+                metrics::counter!("tokenmesh_worker_upstream_gaps_total", &labels)
+                    .increment((generated - progress.engine_tokens) as u64);
+                progress.engine_tokens = generated;
+            }
+        }
+        let last = out.len();
+        for (i, id) in out.into_iter().enumerate() {
+            if progress.first_token.is_none() {
+                progress.first_token = Some(req.enqueued.elapsed());
+            }
+            progress.tokens += 1;
+            self.stats.tokens_generated.fetch_add(1, Ordering::Relaxed);
+            let text = if i + 1 == last {
+                std::mem::take(&mut progress.pending_text)
+            } else {
+                String::new()
+            };
+            let _ = req.events.send(Event::Token {
+                id,
+                text,
+                logprob: req.logprobs.then(|| logprobs.get(i).copied()).flatten(),
+            });
+        }
+    }
+}

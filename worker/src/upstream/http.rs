@@ -1,0 +1,261 @@
+//! The HTTP/1.1 client towards the engine: hyper's pooled client (kept-alive
+//! connections, so a request costs no handshake), JSON bodies in, bounded
+//! JSON answers or a streaming body out. Plain `http://` only: engines sit
+//! next to their worker (same host or pod), behind the worker's mTLS.
+use super::error::UpstreamError;
+use bytes::Bytes;
+use http::{Request, StatusCode, Uri};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use std::time::Duration;
+
+/// The largest non-streaming answer read (tokenize, metrics, errors).
+pub const MAX_ANSWER_BYTES: usize = 16 << 20;
+
+/// A client for one engine's base URL.
+#[derive(Clone, Debug)]
+pub struct EngineHttp {
+    client: Client<HttpConnector, Full<Bytes>>,
+    /// `http://host:port` plus any path prefix, without a trailing slash.
+    base: String,
+    /// Bounds each non-streaming call.
+    timeout: Duration,
+}
+
+/// Why a base URL is unusable.
+#[derive(Debug, thiserror::Error)]
+#[error("--upstream-url {url:?}: {reason}")]
+pub struct BadUrl {
+    pub url: String,
+    pub reason: String,
+}
+
+impl EngineHttp {
+    /// A client for `url` (`http://host:port[/prefix]`).
+    pub fn new(url: &str, timeout: Duration) -> Result<Self, BadUrl> {
+        let bad = |reason: &str| BadUrl {
+            url: url.to_string(),
+            reason: reason.to_string(),
+        };
+        let uri: Uri = url.parse().map_err(|_| bad("not a URL"))?;
+        match uri.scheme_str() {
+            Some("http") => {}
+            Some(_) => {
+                return Err(bad(
+                    "only http:// is supported (run the engine beside the worker)",
+                ))
+            }
+            None => return Err(bad("give the scheme, e.g. http://127.0.0.1:8080")),
+        }
+        if uri.authority().is_none() {
+            return Err(bad("no host"));
+        }
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(timeout));
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(60))
+            .build(connector);
+        Ok(Self {
+            client,
+            base: url.trim_end_matches('/').to_string(),
+            timeout,
+        })
+    }
+
+    /// The base URL.
+    pub fn base(&self) -> &str {
+        &self.base
+    }
+
+    fn request(
+        &self,
+        method: http::Method,
+        path: &str,
+        body: Option<&serde_json::Value>,
+    ) -> Request<Full<Bytes>> {
+        let mut builder = Request::builder()
+            .method(method)
+            .uri(format!("{}{path}", self.base));
+        let body = match body {
+            Some(json) => {
+                builder = builder.header(http::header::CONTENT_TYPE, "application/json");
+                Full::new(Bytes::from(json.to_string()))
+            }
+            None => Full::new(Bytes::new()),
+        };
+        builder
+            .body(body)
+            .expect("a request from a checked base URL")
+    }
+
+    /// Sends a request and waits for the answer's head.
+    async fn send(
+        &self,
+        req: Request<Full<Bytes>>,
+    ) -> Result<http::Response<Incoming>, UpstreamError> {
+        self.client
+            .request(req)
+            .await
+            .map_err(|e| UpstreamError::Unreachable(error_chain(&e)))
+    }
+
+    /// `GET path`: the status and the whole (bounded) body.
+    pub async fn get(&self, path: &str) -> Result<(StatusCode, Bytes), UpstreamError> {
+        let req = self.request(http::Method::GET, path, None);
+        self.whole(req).await
+    }
+
+    /// `POST path` with a JSON body; the answer's JSON, an HTTP error for
+    /// any status but 200.
+    pub async fn post_json(
+        &self,
+        path: &str,
+        body: &serde_json::Value,
+    ) -> Result<serde_json::Value, UpstreamError> {
+        let req = self.request(http::Method::POST, path, Some(body));
+        let (status, bytes) = self.whole(req).await?;
+        if status != StatusCode::OK {
+            return Err(http_error(status, &bytes));
+        }
+        serde_json::from_slice(&bytes)
+            .map_err(|e| UpstreamError::Malformed(format!("{path}: not JSON: {e}")))
+    }
+
+    /// `GET path`, parsed as JSON; an HTTP error for any status but 200.
+    pub async fn get_json(&self, path: &str) -> Result<serde_json::Value, UpstreamError> {
+        let (status, bytes) = self.get(path).await?;
+        if status != StatusCode::OK {
+            return Err(http_error(status, &bytes));
+        }
+        serde_json::from_slice(&bytes)
+            .map_err(|e| UpstreamError::Malformed(format!("{path}: not JSON: {e}")))
+    }
+
+    /// `POST path` for a streaming answer: its body once the engine has
+    /// answered 200 (any other status is read, bounded, into an HTTP error).
+    /// Dropping the body closes the connection, which stops the engine's
+    /// work on it.
+    pub async fn post_stream(
+        &self,
+        path: &str,
+        body: &serde_json::Value,
+    ) -> Result<Incoming, UpstreamError> {
+        let req = self.request(http::Method::POST, path, Some(body));
+        let resp = self.send(req).await?;
+        let status = resp.status();
+        if status == StatusCode::OK {
+            return Ok(resp.into_body());
+        }
+        let bytes = tokio::time::timeout(self.timeout, read_bounded(resp.into_body()))
+            .await
+            .unwrap_or_else(|_| Ok(Bytes::new()))
+            .unwrap_or_default();
+        Err(http_error(status, &bytes))
+    }
+
+    async fn whole(&self, req: Request<Full<Bytes>>) -> Result<(StatusCode, Bytes), UpstreamError> {
+        let call = async {
+            let resp = self.send(req).await?;
+            let status = resp.status();
+            Ok((status, read_bounded(resp.into_body()).await?))
+        };
+        tokio::time::timeout(self.timeout, call)
+            .await
+            .map_err(|_| UpstreamError::Timeout(self.timeout))?
+    }
+}
+
+async fn read_bounded(body: Incoming) -> Result<Bytes, UpstreamError> {
+    Limited::new(body, MAX_ANSWER_BYTES)
+        .collect()
+        .await
+        .map(|c| c.to_bytes())
+        .map_err(|e| UpstreamError::Unreachable(format!("reading the answer: {e}")))
+}
+
+/// An HTTP error with the engine's message: OpenAI's and llama-server's
+/// `{"error": {"message": ...}}`, vLLM's `{"message": ...}`, else the text.
+pub fn http_error(status: StatusCode, body: &[u8]) -> UpstreamError {
+    let message = serde_json::from_slice::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| {
+            v.pointer("/error/message")
+                .or_else(|| v.get("message"))
+                .or_else(|| v.get("error").filter(|e| e.is_string()))
+                .or_else(|| v.get("detail"))
+                .map(|m| {
+                    m.as_str()
+                        .map(str::to_string)
+                        .unwrap_or_else(|| m.to_string())
+                })
+        })
+        .unwrap_or_else(|| {
+            let text = String::from_utf8_lossy(body);
+            let text = text.trim();
+            if text.is_empty() {
+                status
+                    .canonical_reason()
+                    .unwrap_or("no message")
+                    .to_string()
+            } else {
+                text.chars().take(512).collect()
+            }
+        });
+    UpstreamError::Http {
+        status: status.as_u16(),
+        message,
+    }
+}
+
+/// An error and its sources on one line (hyper's own says only "client
+/// error (Connect)").
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_must_be_plain_http_with_a_host() {
+        let t = Duration::from_secs(1);
+        assert!(EngineHttp::new("http://127.0.0.1:8080/", t).is_ok());
+        assert_eq!(
+            EngineHttp::new("http://h:1/v/", t).unwrap().base(),
+            "http://h:1/v"
+        );
+        let err = EngineHttp::new("https://h:1", t).unwrap_err();
+        assert!(err.to_string().contains("only http://"), "{err}");
+        assert!(EngineHttp::new("127.0.0.1:8080", t).is_err());
+    }
+
+    #[test]
+    fn error_messages_are_taken_from_each_engine_shape() {
+        let msg = |body: &str| match http_error(StatusCode::BAD_REQUEST, body.as_bytes()) {
+            UpstreamError::Http { message, .. } => message,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(
+            msg(r#"{"error":{"code":400,"message":"bad n_predict"}}"#),
+            "bad n_predict"
+        );
+        assert_eq!(
+            msg(r#"{"object":"error","message":"too long"}"#),
+            "too long"
+        );
+        assert_eq!(msg("plain words\n"), "plain words");
+        assert_eq!(msg(""), "Bad Request");
+    }
+}

@@ -1,0 +1,154 @@
+//! What the worker learns from the engine once, at start: the model it
+//! serves, its context window and vocabulary, and its end-of-generation
+//! tokens; and the engine's own prompt rendering and tokenization, so that
+//! the token ids the mesh sees are the engine's.
+use super::error::UpstreamError;
+use super::http::EngineHttp;
+use super::UpstreamKind;
+use serde_json::{json, Value};
+use tokenmesh_proto::v1::GenerateRequest;
+
+/// The engine's model, as it reports it.
+#[derive(Clone, Debug)]
+pub struct EngineInfo {
+    /// The model's name on the engine (vLLM's `model` request field).
+    pub model: String,
+    /// Tokens of context one sequence may fill.
+    pub context_length: usize,
+    /// Token ids are below this (`u32::MAX` where the engine does not say:
+    /// it checks the ids itself).
+    pub vocab_size: usize,
+    /// End-of-generation token ids the engine streams but the mesh does not
+    /// output (llama-server; vLLM's are handled by its finish).
+    pub eog: Vec<u32>,
+}
+
+/// Asks the engine about its model.
+pub async fn discover(http: &EngineHttp, kind: UpstreamKind) -> Result<EngineInfo, UpstreamError> {
+    let models = http.get_json("/v1/models").await?;
+    let first = models
+        .pointer("/data/0")
+        .ok_or_else(|| UpstreamError::Malformed("/v1/models lists no model".into()))?;
+    let model = first
+        .get("id")
+        .and_then(Value::as_str)
+        .ok_or_else(|| UpstreamError::Malformed("/v1/models: a model without an id".into()))?
+        .to_string();
+    match kind {
+        UpstreamKind::LlamaServer => {
+            let props = http.get_json("/props").await?;
+            let context_length = number(&props, "/default_generation_settings/n_ctx", "/props")?;
+            let vocab_size = number(first, "/meta/n_vocab", "/v1/models")?;
+            let eog = match props.get("eos_token").and_then(Value::as_str) {
+                Some(eos) if !eos.is_empty() => llama_tokenize(http, eos, false).await?,
+                _ => Vec::new(),
+            };
+            Ok(EngineInfo {
+                model,
+                context_length,
+                vocab_size,
+                eog,
+            })
+        }
+        UpstreamKind::Vllm => Ok(EngineInfo {
+            context_length: number(first, "/max_model_len", "/v1/models")?,
+            model,
+            vocab_size: u32::MAX as usize,
+            eog: Vec::new(),
+        }),
+    }
+}
+
+/// A positive integer at `pointer` of `value`, which came from `path`.
+fn number(value: &Value, pointer: &str, path: &str) -> Result<usize, UpstreamError> {
+    value
+        .pointer(pointer)
+        .and_then(Value::as_u64)
+        .filter(|&n| n > 0)
+        .map(|n| n as usize)
+        .ok_or_else(|| UpstreamError::Malformed(format!("{path}: no positive number at {pointer}")))
+}
+
+/// The prompt or chat messages of `g`, rendered by the engine's chat
+/// template and tokenized by its tokenizer.
+pub async fn encode_prompt(
+    http: &EngineHttp,
+    kind: UpstreamKind,
+    model: &str,
+    g: &GenerateRequest,
+) -> Result<Vec<u32>, UpstreamError> {
+    let messages: Vec<Value> = g
+        .messages
+        .iter()
+        .map(|m| json!({"role": m.role, "content": m.content}))
+        .collect();
+    match kind {
+        UpstreamKind::LlamaServer => {
+            let text = if messages.is_empty() {
+                g.prompt.clone()
+            } else {
+                let rendered = http
+                    .post_json("/apply-template", &json!({ "messages": messages }))
+                    .await?;
+                rendered
+                    .get("prompt")
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| UpstreamError::Malformed("/apply-template: no prompt".into()))?
+                    .to_string()
+            };
+            llama_tokenize(http, &text, true).await
+        }
+        UpstreamKind::Vllm => {
+            let body = if messages.is_empty() {
+                json!({"model": model, "prompt": g.prompt, "add_special_tokens": true})
+            } else {
+                json!({"model": model, "messages": messages, "add_generation_prompt": true})
+            };
+            token_list(&http.post_json("/tokenize", &body).await?, "/tokenize")
+        }
+    }
+}
+
+/// llama-server's `/tokenize`, special tokens in the text parsed as such
+/// (as its own chat path does); `add_special` adds BOS where the model
+/// wants one.
+async fn llama_tokenize(
+    http: &EngineHttp,
+    text: &str,
+    add_special: bool,
+) -> Result<Vec<u32>, UpstreamError> {
+    let body = json!({"content": text, "add_special": add_special, "parse_special": true});
+    token_list(&http.post_json("/tokenize", &body).await?, "/tokenize")
+}
+
+fn token_list(value: &Value, path: &str) -> Result<Vec<u32>, UpstreamError> {
+    let malformed = || UpstreamError::Malformed(format!("{path}: no list of token ids"));
+    value
+        .get("tokens")
+        .and_then(Value::as_array)
+        .ok_or_else(malformed)?
+        .iter()
+        .map(|t| {
+            t.as_u64()
+                .and_then(|t| u32::try_from(t).ok())
+                .ok_or_else(malformed)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_lists_are_checked() {
+        assert_eq!(
+            token_list(&json!({"tokens": [1, 2]}), "/t").unwrap(),
+            vec![1, 2]
+        );
+        assert!(token_list(&json!({"tokens": [-1]}), "/t").is_err());
+        assert!(token_list(&json!({"count": 2}), "/t").is_err());
+        assert_eq!(number(&json!({"a": {"b": 8}}), "/a/b", "/p").unwrap(), 8);
+        assert!(number(&json!({"a": 0}), "/a", "/p").is_err());
+    }
+}
