@@ -31,7 +31,12 @@
 # (11) upstream (issue 21): llama-server (scripts/llama-cpp.sh) called
 #     directly against the same llama-server behind the router and an
 #     upstream worker, interleaved, at 1 and 16 streams.
-# ONLY="synthetic real llamacpp sweep ceiling proxies observability sampling openai hop upstream" picks sections.
+# (12) prefix (issue 17): the multi-turn chat workload (meshctl bench chat)
+#     against 4 real-model workers behind one router: cache-aware routing
+#     with prefix caching on, P2C with caching on, and P2C with caching off
+#     (workers without --prefix-cache run the caching-off arms only, under
+#     both worker choices).
+# ONLY="synthetic real llamacpp sweep ceiling proxies observability sampling openai hop upstream prefix" picks sections.
 # Results go to $OUT (default bench-results/). Every run is short: the whole
 # script takes about ten minutes on two cores.
 set -euo pipefail
@@ -49,7 +54,7 @@ if [ -z "${BIN:-}" ]; then
 fi
 
 want() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
-if want real || want llamacpp || want sampling || want upstream; then
+if want real || want llamacpp || want sampling || want upstream || want prefix; then
   MODEL=$($BIN/meshctl fetch-model --python "${TOKENMESH_PYTHON:-python3}")
 fi
 cpu_secs() { # utime + stime of a process, seconds
@@ -421,6 +426,58 @@ for c in 1 16; do
 done
 cleanup; pids=()
 fi
+
+if want prefix; then
+echo "== prefix caching and cache-aware routing: multi-turn chat, 4 real-model workers, one router"
+{ nproc; uptime; } | tee "$OUT/prefix-machine.txt"
+: >"$OUT/prefix.jsonl"
+PREFIX_WORKERS=${PREFIX_WORKERS:-4}
+if $BIN/tokenmesh-worker --help | grep -q -- '--prefix-cache'; then
+  arms="cache-aware:on p2c:on p2c:off"
+else
+  echo "this worker has no --prefix-cache flag: caching-off arms only" | tee -a "$OUT/prefix-machine.txt"
+  arms="cache-aware:none p2c:none"
+fi
+for rep in $(seq "${PREFIX_REPS:-1}"); do
+  for arm in $arms; do
+    choice=${arm%%:*}; cache=${arm##*:}
+    cache_args=(); [ "$cache" = none ] || cache_args=(--prefix-cache "$cache")
+    toml="$OUT/prefix-static.toml"; : >"$toml"
+    for i in $(seq "$PREFIX_WORKERS"); do
+      wp=$(free_port)
+      $BIN/tokenmesh-worker --insecure --listen 127.0.0.1:$wp --worker-id "prefix-$i" --model "$MODEL" \
+        --threads "$THREADS" --log warn "${cache_args[@]}" >"$OUT/prefix-$i-worker.log" 2>&1 & pids+=($!)
+      printf '[[workers]]\nid = "prefix-%s"\nmodel = "SmolLM2-135M-Instruct"\nversion = "v1"\naddr = "http://127.0.0.1:%s"\n\n' \
+        "$i" "$wp" >>"$toml"
+    done
+    rp=$(free_port)
+    $BIN/tokenmesh-router --insecure --listen 127.0.0.1:$rp --static "$toml" --log warn --worker-choice "$choice" \
+      >"$OUT/prefix-router.log" 2>&1 & pids+=($!)
+    wait_for 127.0.0.1:$rp
+    for _ in $(seq 600); do # until every worker is ready behind the router (the READY column)
+      [ "$($BIN/meshctl models --insecure --router 127.0.0.1:$rp | awk 'NR == 2 { print $4 }')" = "$PREFIX_WORKERS" ] && break
+      sleep 0.1
+    done
+    $BIN/meshctl bench chat --target 127.0.0.1:$rp --conversations "${PREFIX_CONVERSATIONS:-8}" \
+      --turns "${PREFIX_TURNS:-4}" --system-words "${PREFIX_SYSTEM_WORDS:-300}" --user-words 24 --max-tokens 24 \
+      --temperature 0 --seed "$rep" --label "choice=$choice" --label "cache=$cache" --label "rep=$rep" \
+      --output json >>"$OUT/prefix.jsonl"
+    cleanup; pids=()
+  done
+done
+python3 - "$OUT/prefix.jsonl" <<'PY' | tee "$OUT/prefix.md"
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+print("| choice | cache | rep | TTFT p50 turn 1 | TTFT p50 later | TTFT p99 later | tok/s | same worker | max/mean load | hit ratio | oracle |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+for r in rows:
+    l = r["labels"]; t = r["ttft_ms_by_turn"]; h = r["worker_hit_ratio"]
+    print(f"| {l['choice']} | {l['cache']} | {l['rep']} | {t[0]['p50']:.0f} ms | {r['ttft_ms_later_turns']['p50']:.0f} ms"
+          f" | {r['ttft_ms_later_turns']['p99']:.0f} ms | {r['output_tokens_per_sec']:.1f} | {r['same_worker_ratio']*100:.0f} %"
+          f" | {r['max_over_mean_load']:.2f} | {'-' if h is None else f'{h*100:.0f} %'} | {r['oracle_hit_ratio']*100:.0f} % |")
+PY
+fi
+
 
 for f in synthetic real ceiling proxies proxies-ceiling observability sampling openai hop-c20 hop-c100 upstream; do
   [ -s "$OUT/$f.jsonl" ] && python3 scripts/bench_summary.py "$OUT/$f.jsonl" | tee "$OUT/$f.md"

@@ -1,4 +1,5 @@
 //! Command-line configuration of `tokenmesh-router`.
+use crate::route::affinity::{AffinitySettings, WorkerChoice};
 use clap::Parser;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -150,6 +151,43 @@ pub struct RouterConfig {
 
     #[command(flatten)]
     pub http: HttpArgs,
+
+    #[command(flatten)]
+    pub worker_choice: WorkerChoiceArgs,
+}
+
+/// Flags of the worker choice (issue 17).
+#[derive(clap::Args, Clone, Debug)]
+pub struct WorkerChoiceArgs {
+    /// How a worker of the chosen version is picked: `cache-aware` sends a
+    /// request to the worker estimated to hold the longest prefix of its
+    /// prompt in its KV cache (a conversation stays on one worker, the same
+    /// one from every router), unless that worker's load is past
+    /// --cache-aware-load-margin; `p2c`: power of two choices on load alone.
+    #[arg(
+        long,
+        env = "TOKENMESH_WORKER_CHOICE",
+        value_enum,
+        default_value_t = WorkerChoice::CacheAware
+    )]
+    pub worker_choice: WorkerChoice,
+
+    /// Cache-aware choice: streams by which the preferred worker's load
+    /// (streams in flight from this router + its reported queue) may exceed
+    /// the least loaded worker's before load wins (power of two choices).
+    #[arg(long, env = "TOKENMESH_CACHE_AWARE_LOAD_MARGIN", default_value_t = 4)]
+    pub cache_aware_load_margin: u32,
+
+    /// Cache-aware choice: most (prompt chunk, worker) pairs the router's
+    /// prefix index holds (a chunk is 128 bytes of prompt; about 100 bytes
+    /// of memory each); past it the least recently used chunks are dropped.
+    #[arg(
+        long,
+        env = "TOKENMESH_PREFIX_INDEX_ENTRIES",
+        default_value_t = 1 << 18,
+        value_parser = clap::value_parser!(u64).range(1..=(1 << 26))
+    )]
+    pub prefix_index_entries: u64,
 }
 
 /// Flags of the OpenAI-compatible HTTP API.
@@ -215,6 +253,11 @@ impl RouterConfig {
                 min_per_sec: self.retry_budget_min_per_sec,
                 ttl: Duration::from_secs(self.retry_budget_ttl_s),
             },
+            affinity: AffinitySettings {
+                choice: self.worker_choice.worker_choice,
+                load_margin: self.worker_choice.cache_aware_load_margin,
+                index_pairs: self.worker_choice.prefix_index_entries as usize,
+            },
         }
     }
 
@@ -279,5 +322,34 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(cfg.routing().retry_budget.ratio, 0.0);
+    }
+
+    #[test]
+    fn the_worker_choice_defaults_to_cache_aware_and_its_flags_are_checked() {
+        let cfg = RouterConfig::try_parse_from(["tokenmesh-router"]).unwrap();
+        assert_eq!(cfg.routing().affinity, AffinitySettings::default());
+        let cfg = RouterConfig::try_parse_from([
+            "tokenmesh-router",
+            "--worker-choice",
+            "p2c",
+            "--cache-aware-load-margin",
+            "0",
+            "--prefix-index-entries",
+            "10",
+        ])
+        .unwrap();
+        let a = cfg.routing().affinity;
+        assert_eq!(
+            (a.choice, a.load_margin, a.index_pairs),
+            (WorkerChoice::P2c, 0, 10)
+        );
+        for bad in [
+            ["--worker-choice", "random"],
+            ["--prefix-index-entries", "0"],
+            ["--cache-aware-load-margin", "-1"],
+        ] {
+            let parsed = RouterConfig::try_parse_from(["tokenmesh-router", bad[0], bad[1]]);
+            assert!(parsed.is_err(), "{bad:?}");
+        }
     }
 }

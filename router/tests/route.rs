@@ -321,7 +321,9 @@ async fn a_stream_whose_worker_dies_continues_on_another_token_for_token() {
     let capture = Capture::default();
     let _guard = capture.install();
     let mut workers = [Worker::start("w1"), Worker::start("w2")];
-    let mut r = router(&[&workers[0], &workers[1]], &[]).await;
+    // P2C, whose reasons the spans are checked for below (the cache-aware
+    // choice's are checked in tests/cache_aware.rs).
+    let mut r = router(&[&workers[0], &workers[1]], &["--worker-choice", "p2c"]).await;
     let reference = collect(&mut r.client, request(60), |_, _| {})
         .await
         .unwrap();

@@ -1,5 +1,7 @@
-//! `meshctl bench`: the load generator, and `meshctl bench sweep`, a grid of
-//! configurations over processes it starts itself.
+//! `meshctl bench`: the load generator, `meshctl bench sweep`, a grid of
+//! configurations over processes it starts itself, and `meshctl bench chat`,
+//! the multi-turn chat workload.
+pub mod chat;
 pub mod heatmap;
 pub mod load;
 pub mod openai;
@@ -33,6 +35,10 @@ pub enum SweepCmd {
     /// Start workers and a router for each point of a concurrency × max batch ×
     /// workers grid, load each, and write JSON lines and heatmaps.
     Sweep(sweep::SweepArgs),
+    /// Multi-turn chat: concurrent conversations sharing a system prompt,
+    /// each turn re-sending the conversation so far; TTFT per turn, load
+    /// shares, and the oracle's cache hit ratio.
+    Chat(chat::ChatArgs),
 }
 
 /// How results are shown.
@@ -54,8 +60,10 @@ impl OutputArgs {
 
 /// Runs `meshctl bench`.
 pub async fn main(cmd: BenchCmd) -> anyhow::Result<()> {
-    if let Some(SweepCmd::Sweep(args)) = cmd.sweep {
-        return sweep::run(args, &cmd.output).await;
+    match cmd.sweep {
+        Some(SweepCmd::Sweep(args)) => return sweep::run(args, &cmd.output).await,
+        Some(SweepCmd::Chat(args)) => return chat::main(args, cmd.output.output).await,
+        None => {}
     }
     anyhow::ensure!(cmd.repeat >= 1, "--repeat must be at least 1");
     let mut reports = Vec::new();

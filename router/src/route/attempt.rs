@@ -1,5 +1,6 @@
 //! Opening a worker stream (DESIGN.md, "Routing", steps 3 to 5): pick a ready
-//! worker of the request's version by P2C and call it; if it refuses with a
+//! worker of the request's version ([`super::affinity`]: cache-aware, or P2C)
+//! and call it; if it refuses with a
 //! retryable status, try another one, after a jittered backoff and only while
 //! the version's retry budget allows, up to `--max-attempts` workers.
 //!
@@ -9,7 +10,7 @@
 //! Each call carries a fresh random `attempt_id` (on that client span too),
 //! which with the request id names the stream on the worker, for
 //! `Worker.Abort`: request ids are chosen by clients and need not be unique.
-use super::p2c;
+use super::affinity::RequestAffinity;
 use super::retry_budget::{RetryBudget, RetryReason};
 use crate::errors::RouterError;
 use crate::registry::{Endpoint, InFlight, Registry};
@@ -54,6 +55,8 @@ pub struct Attempts {
     budget: Arc<RetryBudget>,
     /// When the caller's deadline (grpc-timeout) expires, if it set one.
     deadline: Option<Instant>,
+    /// How workers are chosen for it, and what the choice learns.
+    affinity: RequestAffinity,
 }
 
 /// How one call to a worker failed.
@@ -73,6 +76,7 @@ impl Attempts {
         limits: AttemptLimits,
         budget: Arc<RetryBudget>,
         deadline: Option<Instant>,
+        affinity: RequestAffinity,
     ) -> Self {
         Self {
             registry,
@@ -82,7 +86,13 @@ impl Attempts {
             limits,
             budget,
             deadline,
+            affinity,
         }
+    }
+
+    /// The request's worker choice.
+    pub fn affinity(&self) -> &RequestAffinity {
+        &self.affinity
     }
 
     /// The caller's deadline, if any.
@@ -103,12 +113,16 @@ impl Attempts {
                 // A continuation sends the emitted tokens as ids.
                 candidates.retain(|e| e.record.continues_from_token_ids);
             }
-            // Formatting the candidates costs more than the pick itself;
-            // only a span that records anything gets them.
+            let choice = self.affinity.choose(
+                &candidates,
+                &self.tried,
+                !route.is_disabled(),
+                &mut rand::rng(),
+            );
             if !route.is_disabled() {
-                route.record("candidates", describe(&candidates).as_str());
+                route.record("candidates", choice.candidates.as_str());
             }
-            let Some(ep) = p2c::pick(&candidates, &self.tried, &mut rand::rng()) else {
+            let Some(ep) = choice.worker else {
                 break;
             };
             if !self.tried.is_empty() {
@@ -126,11 +140,14 @@ impl Attempts {
                 self.back_off(retry, emitted.len()).await?;
             }
             route.record("worker", ep.id.as_str());
-            route.record("reason", p2c::reason(&candidates, &self.tried));
+            route.record("reason", choice.reason.as_str());
             self.tried.push(ep.id.clone());
             route.record("attempts", self.tried.len());
             match self.call(&ep, emitted, route).await {
-                Ok(upstream) => return Ok(upstream),
+                Ok(upstream) => {
+                    self.affinity.opened(&ep);
+                    return Ok(upstream);
+                }
                 Err(CallError::Fail(e)) => return Err(e),
                 Err(CallError::Retry(status)) => {
                     tracing::warn!(parent: route, worker = %ep.id, code = ?status.code(), error = %status.message(), "worker refused; trying another");
@@ -222,20 +239,4 @@ impl Attempts {
             }
         }
     }
-}
-
-/// The candidates and their loads, as the `route` span shows them.
-fn describe(candidates: &[Arc<Endpoint>]) -> String {
-    candidates
-        .iter()
-        .map(|e| {
-            format!(
-                "{}:{}{}",
-                e.id,
-                e.load(),
-                if e.ready() { "" } else { "(not ready)" }
-            )
-        })
-        .collect::<Vec<_>>()
-        .join(",")
 }

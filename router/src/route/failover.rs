@@ -175,6 +175,9 @@ async fn relay(
                 // a CANCELLED (the worker's Abort) or KV_CACHE_FULL one too:
                 // neither is a failure another worker could mend.
                 client.meter.code = tonic::Code::Ok;
+                if let Some(u) = &f.usage {
+                    ctx.attempts.affinity().finished(u.prompt_tokens);
+                }
                 f.failovers = client.failovers;
                 // Named as Accepted names workers: by the id the router
                 // routed to, not the worker's own idea of its id.

@@ -5,7 +5,8 @@
 //!    queue, before anything is chosen;
 //! 2. [`version`]: pin, sticky session, weighted split, on the registry as it
 //!    is once the request is admitted;
-//! 3. [`p2c`]: the worker, by power of two choices on live load;
+//! 3. [`affinity`]: the worker, by the prompt prefix it is estimated to hold
+//!    against its load, or [`p2c`] (power of two choices) alone;
 //! 4. the channel ([`crate::registry`]): one connection per worker;
 //! 5. [`attempt`]: the call to the worker, retried on another before the first
 //!    token with backoff, paid from the version's [`retry_budget`]; after it,
@@ -17,6 +18,7 @@
 //! [`Router::route`] runs the steps; the gRPC service in `server.rs` and the
 //! OpenAI-compatible HTTP API in `openai/` only turn a request into an
 //! [`Incoming`] and the result into a response.
+pub mod affinity;
 pub mod attempt;
 pub mod failover;
 pub mod meter;
@@ -28,6 +30,7 @@ pub mod version;
 use crate::admission::Admission;
 use crate::errors::RouterError;
 use crate::registry::{ModelEntry, Registry};
+use affinity::{Affinity, AffinitySettings};
 use attempt::{AttemptLimits, Attempts};
 use failover::FailoverContext;
 use retry_budget::{RetryBudgetConfig, RetryBudgets};
@@ -51,6 +54,8 @@ pub struct RouteSettings {
     pub backoff: Backoff,
     /// The shape of each version's retry budget.
     pub retry_budget: RetryBudgetConfig,
+    /// How a worker of the version is chosen.
+    pub affinity: AffinitySettings,
 }
 
 /// Which front door a request came through: the `api` label of the metrics.
@@ -112,6 +117,7 @@ pub struct Router {
     admission: Arc<Admission>,
     budgets: RetryBudgets,
     settings: RouteSettings,
+    affinity: Arc<Affinity>,
 }
 
 /// The server span of one request (`Generate`, whichever API it came
@@ -164,6 +170,7 @@ impl Router {
     ) -> Self {
         Self {
             budgets: RetryBudgets::new(settings.retry_budget),
+            affinity: Affinity::new(settings.affinity),
             registry,
             admission,
             settings,
@@ -210,6 +217,11 @@ impl Router {
             max_attempts: self.settings.max_attempts,
             backoff: self.settings.backoff,
         };
+        let affinity = self.affinity.request(
+            &incoming.request,
+            &choice.version,
+            incoming.session.as_deref(),
+        );
         let mut attempts = Attempts::new(
             self.registry.clone(),
             incoming.request,
@@ -217,6 +229,7 @@ impl Router {
             limits,
             budget,
             incoming.deadline,
+            affinity,
         );
         let upstream = attempts.open(&[], &route).await?;
         drop(route);
