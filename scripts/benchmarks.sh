@@ -442,13 +442,14 @@ for rep in $(seq "${PREFIX_REPS:-1}"); do
   for arm in $arms; do
     choice=${arm%%:*}; cache=${arm##*:}
     cache_args=(); [ "$cache" = none ] || cache_args=(--prefix-cache "$cache")
-    toml="$OUT/prefix-static.toml"; : >"$toml"
+    toml="$OUT/prefix-static.toml"; : >"$toml"; waddrs=()
     for i in $(seq "$PREFIX_WORKERS"); do
       wp=$(free_port)
       $BIN/tokenmesh-worker --insecure --listen 127.0.0.1:$wp --worker-id "prefix-$i" --model "$MODEL" \
         --threads "$THREADS" --log warn "${cache_args[@]}" >"$OUT/prefix-$i-worker.log" 2>&1 & pids+=($!)
       printf '[[workers]]\nid = "prefix-%s"\nmodel = "SmolLM2-135M-Instruct"\nversion = "v1"\naddr = "http://127.0.0.1:%s"\n\n' \
         "$i" "$wp" >>"$toml"
+      waddrs+=("127.0.0.1:$wp")
     done
     rp=$(free_port)
     $BIN/tokenmesh-router --insecure --listen 127.0.0.1:$rp --static "$toml" --log warn --worker-choice "$choice" \
@@ -461,7 +462,7 @@ for rep in $(seq "${PREFIX_REPS:-1}"); do
     $BIN/meshctl bench chat --target 127.0.0.1:$rp --conversations "${PREFIX_CONVERSATIONS:-8}" \
       --turns "${PREFIX_TURNS:-4}" --system-words "${PREFIX_SYSTEM_WORDS:-300}" --user-words 24 --max-tokens 24 \
       --temperature 0 --seed "$rep" --label "choice=$choice" --label "cache=$cache" --label "rep=$rep" \
-      --output json >>"$OUT/prefix.jsonl"
+      $( [ "$cache" = none ] || echo --workers "$(IFS=,; echo "${waddrs[*]}")" ) --output json >>"$OUT/prefix.jsonl"
     cleanup; pids=()
   done
 done

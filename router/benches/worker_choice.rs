@@ -37,6 +37,9 @@ fn workers(rt: &tokio::runtime::Runtime, n: usize) -> (Arc<Registry>, Vec<Arc<En
             capacity: 1,
             labels: Default::default(),
             started_at: String::new(),
+            continues_from_token_ids: true,
+            engine: String::new(),
+            engine_model: String::new(),
         };
         reg.upsert_worker(&format!("worker-{i}"), "m", "v1", record)
             .expect("a valid address");

@@ -88,6 +88,7 @@ async fn ttft(engine: &EngineHandle, context: Vec<u32>) -> Duration {
             Event::Token { .. } => first = first.or(Some(start.elapsed())),
             Event::Finished { first_token, .. } => return first.or(first_token).unwrap(),
             Event::Failed(m) | Event::Rejected(m) => panic!("{m}"),
+            Event::Status(s) => panic!("{s}"),
             Event::Started { .. } => {}
         }
     }

@@ -102,6 +102,7 @@ async fn collect(mut rx: mpsc::UnboundedReceiver<Event>) -> (Vec<u32>, Finish) {
             Event::Token { id, .. } => out.push(id),
             Event::Finished { reason, .. } => return (out, reason),
             Event::Failed(m) | Event::Rejected(m) => panic!("{m}"),
+            Event::Status(s) => panic!("{s}"),
             Event::Started { .. } => {}
         }
     }

@@ -20,7 +20,8 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 use tokenmesh_proto::v1::generate_response::Event;
 use tokenmesh_proto::v1::inference_client::InferenceClient;
-use tokenmesh_proto::v1::{ChatMessage, GenerateRequest, ListModelsRequest};
+use tokenmesh_proto::v1::worker_client::WorkerClient;
+use tokenmesh_proto::v1::{ChatMessage, GenerateRequest, ListModelsRequest, StatusRequest};
 use tokio::time::Instant;
 use tonic::transport::Channel;
 
@@ -69,6 +70,11 @@ pub struct ChatArgs {
     /// Seconds a request may take before it counts as CLIENT_TIMEOUT.
     #[arg(long, default_value_t = 120.0)]
     pub request_timeout: f64,
+    /// Workers behind the router (ADDR, comma-separated or repeated) whose
+    /// Status counters give the run's real prefix-cache hit ratio; under
+    /// mTLS they accept only the router identity (`--tls-role router`).
+    #[arg(long = "workers", value_delimiter = ',')]
+    pub workers: Vec<String>,
     #[command(flatten)]
     pub tls: TlsArgs,
 }
@@ -160,6 +166,11 @@ pub async fn run(args: &ChatArgs) -> anyhow::Result<ChatReport> {
         Some(m) => m.clone(),
         None => default_model(channel.clone()).await?,
     };
+    let mut workers = Vec::with_capacity(args.workers.len());
+    for w in &args.workers {
+        workers.push(WorkerClient::new(transport::connect(w, &args.tls).await?));
+    }
+    let before = cache_counters(&mut workers, &args.workers).await?;
     let mut rng = StdRng::seed_from_u64(args.seed);
     let system = words(&mut rng, args.system_words);
     let t0 = Instant::now();
@@ -180,7 +191,29 @@ pub async fn run(args: &ChatArgs) -> anyhow::Result<ChatReport> {
     labels.insert("conversations".into(), args.conversations.to_string());
     labels.insert("turns".into(), args.turns.to_string());
     labels.insert("system_words".into(), args.system_words.to_string());
-    Ok(summarize(&samples, window, labels, None))
+    let after = cache_counters(&mut workers, &args.workers).await?;
+    let hit_ratio = worker_hit_ratio(&before, &after);
+    Ok(summarize(&samples, window, labels, hit_ratio))
+}
+
+/// Each worker's prefix-cache counters, from its Status.
+async fn cache_counters(
+    workers: &mut [WorkerClient<Channel>],
+    addrs: &[String],
+) -> anyhow::Result<Vec<CacheCounters>> {
+    let mut out = Vec::with_capacity(workers.len());
+    for (w, addr) in workers.iter_mut().zip(addrs) {
+        let s = w
+            .status(StatusRequest {})
+            .await
+            .with_context(|| format!("Status of worker {addr}"))?
+            .into_inner();
+        out.push(CacheCounters {
+            prompt_tokens_total: s.prompt_tokens_total,
+            prompt_tokens_cached: s.prompt_tokens_cached,
+        });
+    }
+    Ok(out)
 }
 
 async fn default_model(channel: Channel) -> anyhow::Result<String> {
@@ -336,7 +369,7 @@ pub fn oracle_cached_tokens(samples: &[TurnSample], workers: usize) -> u64 {
 }
 
 /// A worker's prefix-cache counters (StatusResponse `prompt_tokens_total`,
-/// `prompt_tokens_cached`, which the worker half of issue 17 adds).
+/// `prompt_tokens_cached`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CacheCounters {
     pub prompt_tokens_total: u64,
@@ -345,9 +378,6 @@ pub struct CacheCounters {
 
 /// The workers' hit ratio over a run, from their counters before and after
 /// it (same order); None when they served no prompt token in between.
-// Called once the Status fields exist: read each worker's counters before
-// and after `run`, pass the ratio to `summarize` (issue 17, worker half).
-#[cfg_attr(not(test), allow(dead_code))]
 pub fn worker_hit_ratio(before: &[CacheCounters], after: &[CacheCounters]) -> Option<f64> {
     let (mut total, mut cached) = (0u64, 0u64);
     for (b, a) in before.iter().zip(after) {
