@@ -217,7 +217,7 @@ impl Attempts {
 }
 
 /// The candidates and their loads, as the `route` span shows them.
-fn describe(candidates: &[Arc<Endpoint>]) -> String {
+pub fn describe(candidates: &[Arc<Endpoint>]) -> String {
     candidates
         .iter()
         .map(|e| {
