@@ -156,9 +156,12 @@ impl Registry {
     }
 
     /// Marks the view stale; called after (never before) a change, so a view
-    /// built at the new generation sees it.
+    /// built at the new generation sees it. The stale view is dropped at once:
+    /// it holds the endpoints, and a removed endpoint's poller stops only
+    /// when the last of them goes.
     fn changed_view(&self) {
         self.generation.fetch_add(1, Ordering::SeqCst);
+        *self.view.write().expect("registry lock") = None;
     }
 
     /// The current view, rebuilt if a change made it stale.
@@ -171,7 +174,10 @@ impl Registry {
         }
         let models = Arc::new(self.build_view());
         let mut slot = self.view.write().expect("registry lock");
-        if slot.as_ref().is_none_or(|v| v.generation <= generation) {
+        // Kept only if no change came while it was built (that change's
+        // `changed_view` then runs after this store and drops it, or before
+        // it and bumped the generation).
+        if self.generation.load(Ordering::SeqCst) == generation {
             *slot = Some(View {
                 generation,
                 models: models.clone(),
