@@ -49,7 +49,7 @@ fn workers(rt: &tokio::runtime::Runtime, n: usize) -> (Arc<Registry>, Vec<Arc<En
         ep.healthy.store(true, Ordering::SeqCst);
         ep.in_flight.store((i % 8) as u32, Ordering::SeqCst);
     }
-    (reg, eps)
+    (reg, eps.to_vec())
 }
 
 const SYSTEM: &str = "You are a helpful assistant for a travel company. Answer in two or three sentences, \

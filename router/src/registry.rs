@@ -4,7 +4,7 @@
 use crate::config::ChannelSettings;
 use crate::stats::{Stats, WorkerViews};
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use tokenmesh_certs::tls::{Identity, MeshTls, Role};
 use tokenmesh_proto::records::{PolicyRecord, WorkerRecord, WorkerView};
@@ -94,8 +94,17 @@ impl Drop for InFlight {
 #[derive(Debug, Default, Clone)]
 pub struct ModelEntry {
     pub policy: Option<PolicyRecord>,
-    /// version -> endpoints.
-    pub versions: BTreeMap<String, Vec<Arc<Endpoint>>>,
+    /// version -> endpoints; shared slices, so cloning an entry is cheap.
+    pub versions: BTreeMap<String, Arc<[Arc<Endpoint>]>>,
+}
+
+/// Every model with its versions' endpoints, as the request path reads it:
+/// built once after a change and shared, so that a routing decision costs
+/// the same with 10 or 1,000 workers (BENCHMARKS.md, "Fleet scale").
+struct View {
+    /// The registry's generation this view was built at.
+    generation: u64,
+    models: Arc<BTreeMap<String, ModelEntry>>,
 }
 
 /// The shared routing state.
@@ -114,6 +123,10 @@ pub struct Registry {
     loaded: tokio::sync::watch::Sender<bool>,
     /// Woken whenever a worker may have become ready or unready.
     changes: Arc<Notify>,
+    /// Bumped after every change of the workers or policies: a [`View`]
+    /// of an older generation is rebuilt before it is read.
+    generation: AtomicU64,
+    view: RwLock<Option<View>>,
 }
 
 /// Why a worker could not be added.
@@ -137,7 +150,76 @@ impl Registry {
             stats: Arc::new(Stats::default()),
             loaded: tokio::sync::watch::channel(false).0,
             changes: Arc::new(Notify::new()),
+            generation: AtomicU64::new(0),
+            view: RwLock::new(None),
         })
+    }
+
+    /// Marks the view stale; called after (never before) a change, so a view
+    /// built at the new generation sees it. The stale view is dropped at once:
+    /// it holds the endpoints, and a removed endpoint's poller stops only
+    /// when the last of them goes.
+    fn changed_view(&self) {
+        self.generation.fetch_add(1, Ordering::SeqCst);
+        *self.view.write().expect("registry lock") = None;
+    }
+
+    /// The current view, rebuilt if a change made it stale.
+    fn view(&self) -> Arc<BTreeMap<String, ModelEntry>> {
+        let generation = self.generation.load(Ordering::SeqCst);
+        if let Some(v) = &*self.view.read().expect("registry lock") {
+            if v.generation == generation {
+                return v.models.clone();
+            }
+        }
+        let models = Arc::new(self.build_view());
+        let mut slot = self.view.write().expect("registry lock");
+        // Kept only if no change came while it was built (that change's
+        // `changed_view` then runs after this store and drops it, or before
+        // it and bumped the generation).
+        if self.generation.load(Ordering::SeqCst) == generation {
+            *slot = Some(View {
+                generation,
+                models: models.clone(),
+            });
+        }
+        models
+    }
+
+    fn build_view(&self) -> BTreeMap<String, ModelEntry> {
+        let mut versions: BTreeMap<String, BTreeMap<String, Vec<Arc<Endpoint>>>> = BTreeMap::new();
+        for ep in self.workers.read().expect("registry lock").values() {
+            versions
+                .entry(ep.model.clone())
+                .or_default()
+                .entry(ep.version.clone())
+                .or_default()
+                .push(ep.clone());
+        }
+        let mut out: BTreeMap<String, ModelEntry> = versions
+            .into_iter()
+            .map(|(model, vs)| {
+                let versions = vs
+                    .into_iter()
+                    .map(|(v, mut eps)| {
+                        // A stable order, whatever the hash map's.
+                        eps.sort_by(|a, b| a.id.cmp(&b.id));
+                        (v, Arc::from(eps))
+                    })
+                    .collect();
+                (
+                    model,
+                    ModelEntry {
+                        policy: None,
+                        versions,
+                    },
+                )
+            })
+            .collect();
+        for (model, policy) in self.policies.read().expect("registry lock").iter() {
+            out.entry(model.clone()).or_default().policy = Some(policy.clone());
+        }
+        out
     }
 
     /// How many workers may take new streams now.
@@ -274,6 +356,7 @@ impl Registry {
             .write()
             .expect("registry lock")
             .insert(id.into(), ep);
+        self.changed_view();
         self.changes.notify_one();
         Ok(())
     }
@@ -288,6 +371,7 @@ impl Registry {
             .is_some()
         {
             tracing::info!(worker = %id, "worker removed");
+            self.changed_view();
             self.changes.notify_one();
         }
     }
@@ -298,6 +382,7 @@ impl Registry {
             .write()
             .expect("registry lock")
             .retain(|id, _| keep.contains(id));
+        self.changed_view();
         self.changes.notify_one();
     }
 
@@ -313,6 +398,8 @@ impl Registry {
                 p.remove(model);
             }
         }
+        drop(p);
+        self.changed_view();
     }
 
     /// A model's traffic policy, if it has one.
@@ -330,69 +417,31 @@ impl Registry {
             .write()
             .expect("registry lock")
             .retain(|m, _| keep.contains(m));
+        self.changed_view();
     }
 
     /// Every model known from workers or policies, with its endpoints.
     pub fn models(&self) -> BTreeMap<String, ModelEntry> {
-        let mut out: BTreeMap<String, ModelEntry> = BTreeMap::new();
-        for ep in self.workers.read().expect("registry lock").values() {
-            out.entry(ep.model.clone())
-                .or_default()
-                .versions
-                .entry(ep.version.clone())
-                .or_default()
-                .push(ep.clone());
-        }
-        for (model, policy) in self.policies.read().expect("registry lock").iter() {
-            out.entry(model.clone()).or_default().policy = Some(policy.clone());
-        }
-        out
+        (*self.view()).clone()
     }
 
     /// Whether any worker or policy knows `name`.
     pub fn has_model(&self, name: &str) -> bool {
-        self.policies
-            .read()
-            .expect("registry lock")
-            .contains_key(name)
-            || self
-                .workers
-                .read()
-                .expect("registry lock")
-                .values()
-                .any(|ep| ep.model == name)
+        self.view().contains_key(name)
     }
 
-    /// The workers of `model`/`version` (ready or not).
-    pub fn endpoints(&self, model: &str, version: &str) -> Vec<Arc<Endpoint>> {
-        self.workers
-            .read()
-            .expect("registry lock")
-            .values()
-            .filter(|ep| ep.model == model && ep.version == version)
+    /// The workers of `model`/`version` (ready or not), sorted by id.
+    pub fn endpoints(&self, model: &str, version: &str) -> Arc<[Arc<Endpoint>]> {
+        self.view()
+            .get(model)
+            .and_then(|m| m.versions.get(version))
             .cloned()
-            .collect()
+            .unwrap_or_else(|| Arc::from(Vec::new()))
     }
 
     /// One model's entry, if it is known.
     pub fn model(&self, name: &str) -> Option<ModelEntry> {
-        let mut entry = ModelEntry::default();
-        let mut found = false;
-        for ep in self.workers.read().expect("registry lock").values() {
-            if ep.model == name {
-                found = true;
-                entry
-                    .versions
-                    .entry(ep.version.clone())
-                    .or_default()
-                    .push(ep.clone());
-            }
-        }
-        if let Some(p) = self.policies.read().expect("registry lock").get(name) {
-            found = true;
-            entry.policy = Some(p.clone());
-        }
-        found.then_some(entry)
+        self.view().get(name).cloned()
     }
 }
 
@@ -604,6 +653,37 @@ mod tests {
             .expect("the drain key is a change");
         assert_eq!(reg.ready_workers(), 0);
         assert!(!ep.ready());
+    }
+
+    #[tokio::test]
+    async fn the_shared_view_follows_every_change() {
+        let reg = registry();
+        assert!(!reg.has_model("m") && reg.model("m").is_none());
+        add(&reg, "w2");
+        add(&reg, "w1");
+        // Read once, so the next reads must see later changes through a
+        // rebuilt view, not the cached one.
+        let ids = |reg: &Registry| -> Vec<String> {
+            reg.endpoints("m", "v1")
+                .iter()
+                .map(|e| e.id.clone())
+                .collect()
+        };
+        assert_eq!(ids(&reg), ["w1", "w2"]);
+        add(&reg, "w3");
+        assert_eq!(ids(&reg), ["w1", "w2", "w3"]);
+        reg.remove_worker("w2");
+        assert_eq!(ids(&reg), ["w1", "w3"]);
+        reg.retain_workers(&HashSet::from(["w3".to_string()]));
+        assert_eq!(ids(&reg), ["w3"]);
+        assert!(reg.endpoints("m", "v9").is_empty());
+        reg.set_policy("p", Some(PolicyRecord::default()));
+        assert!(reg.has_model("p") && reg.model("p").unwrap().policy.is_some());
+        assert_eq!(reg.models().keys().collect::<Vec<_>>(), ["m", "p"]);
+        reg.retain_policies(&HashSet::new());
+        assert!(!reg.has_model("p"));
+        reg.retain_workers(&HashSet::new());
+        assert!(!reg.has_model("m") && reg.models().is_empty());
     }
 
     #[tokio::test]

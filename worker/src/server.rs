@@ -219,6 +219,9 @@ impl Worker for WorkerService {
     }
 
     async fn status(&self, _: Request<StatusRequest>) -> Result<Response<StatusResponse>, Status> {
+        // Every router polls every worker: this is the poll load a fleet puts
+        // on each worker (BENCHMARKS.md, "Fleet scale").
+        metrics::counter!("llm_status_requests_total", &self.labels()).increment(1);
         if let Some(why) = self.engine.unavailable() {
             return Err(Status::unavailable(why));
         }

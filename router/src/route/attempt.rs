@@ -108,11 +108,19 @@ impl Attempts {
     pub async fn open(&mut self, emitted: &[u32], route: &Span) -> Result<Upstream, RouterError> {
         let mut last: Option<Status> = None;
         for retry in 0..self.limits.max_attempts.max(1) {
-            let mut candidates = self.registry.endpoints(&self.request.model, &self.version);
-            if !emitted.is_empty() {
+            let all = self.registry.endpoints(&self.request.model, &self.version);
+            let continuing: Vec<Arc<Endpoint>>;
+            let candidates: &[Arc<Endpoint>] = if emitted.is_empty() {
+                &all
+            } else {
                 // A continuation sends the emitted tokens as ids.
-                candidates.retain(|e| e.record.continues_from_token_ids);
-            }
+                continuing = all
+                    .iter()
+                    .filter(|e| e.record.continues_from_token_ids)
+                    .cloned()
+                    .collect();
+                &continuing
+            };
             let choice = self.affinity.choose(
                 &candidates,
                 &self.tried,
@@ -238,5 +246,62 @@ impl Attempts {
                 }
             }
         }
+    }
+}
+
+/// Candidates listed one by one on the `route` span; past this many the
+/// rest are counted instead: listing 1,000 workers on every request would
+/// cost more than all the rest of the decision (BENCHMARKS.md, "Fleet scale").
+pub const LISTED_CANDIDATES: usize = 16;
+
+/// The candidates and their loads, as the `route` span shows them: the first
+/// [`LISTED_CANDIDATES`], then how many more and how many of those are ready.
+pub fn describe(candidates: &[Arc<Endpoint>]) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    for (i, e) in candidates.iter().take(LISTED_CANDIDATES).enumerate() {
+        let sep = if i == 0 { "" } else { "," };
+        let not_ready = if e.ready() { "" } else { "(not ready)" };
+        let _ = write!(out, "{sep}{}:{}{not_ready}", e.id, e.load());
+    }
+    if let Some(rest) = candidates
+        .get(LISTED_CANDIDATES..)
+        .filter(|r| !r.is_empty())
+    {
+        let ready = rest.iter().filter(|e| e.ready()).count();
+        let _ = write!(out, ",+{} more ({ready} ready)", rest.len());
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::registry::testing::{add, registry};
+
+    #[tokio::test]
+    async fn candidates_past_the_listed_ones_are_counted_not_listed() {
+        let reg = registry();
+        for i in 0..3 {
+            add(&reg, &format!("w{i}"), "m", "v1", i != 1);
+        }
+        let eps = reg.endpoints("m", "v1");
+        assert_eq!(describe(&eps), "w0:0,w1:0(not ready),w2:0");
+        for i in 3..40 {
+            add(&reg, &format!("w{i:02}"), "m", "v1", i % 2 == 0);
+        }
+        let eps = reg.endpoints("m", "v1");
+        let text = describe(&eps);
+        assert_eq!(text.matches(':').count(), LISTED_CANDIDATES, "{text}");
+        // 40 workers, 16 listed, 24 counted: some ready, some not.
+        let ready = eps[LISTED_CANDIDATES..]
+            .iter()
+            .filter(|e| e.ready())
+            .count();
+        assert!(
+            text.ends_with(&format!(",+24 more ({ready} ready)")),
+            "{text}"
+        );
+        assert!(ready > 0 && ready < 24, "{text}");
     }
 }

@@ -10,41 +10,68 @@ use rand::seq::IndexedRandom;
 use rand::Rng;
 use std::sync::Arc;
 
+/// Random draws [`pick`] makes before it falls back to filtering every
+/// candidate: with most workers eligible, two draws nearly always do.
+const DRAWS: usize = 8;
+
 /// Picks a worker among `candidates` that is ready and not in `exclude`:
 /// the less loaded of two drawn at random (the first drawn on a tie), or the
 /// only one left.
+///
+/// The two are drawn by index, rejecting ineligible ones, so a decision over
+/// 1,000 workers reads a few of them rather than all; only when draws keep
+/// hitting ineligible workers does it filter the whole list. Both ways draw
+/// each pair of eligible workers with the same chance.
 pub fn pick(
     candidates: &[Arc<Endpoint>],
     exclude: &[String],
     rng: &mut impl Rng,
 ) -> Option<Arc<Endpoint>> {
-    let ready: Vec<&Arc<Endpoint>> = candidates
-        .iter()
-        .filter(|e| e.ready() && !exclude.contains(&e.id))
-        .collect();
+    let eligible = |e: &Arc<Endpoint>| e.ready() && !exclude.contains(&e.id);
+    let n = candidates.len();
+    if n >= 2 {
+        let mut first: Option<usize> = None;
+        for _ in 0..DRAWS {
+            let i = rng.random_range(0..n);
+            if first == Some(i) || !eligible(&candidates[i]) {
+                continue;
+            }
+            match first {
+                None => first = Some(i),
+                Some(a) => return Some(lower(&candidates[a], &candidates[i]).clone()),
+            }
+        }
+    }
+    let ready: Vec<&Arc<Endpoint>> = candidates.iter().filter(|e| eligible(e)).collect();
     match ready.len() {
         0 => None,
         1 => Some(ready[0].clone()),
         _ => {
             let two: Vec<&&Arc<Endpoint>> = ready.choose_multiple(rng, 2).collect();
-            let (a, b) = (two[0], two[1]);
-            Some(if b.load() < a.load() {
-                (*b).clone()
-            } else {
-                (*a).clone()
-            })
+            Some(lower(two[0], two[1]).clone())
         }
+    }
+}
+
+/// The less loaded of `a` and `b`, `a` on a tie.
+fn lower<'a>(a: &'a Arc<Endpoint>, b: &'a Arc<Endpoint>) -> &'a Arc<Endpoint> {
+    if b.load() < a.load() {
+        b
+    } else {
+        a
     }
 }
 
 /// Why [`pick`] chose what it chose, for the `route` span: with more than one
 /// eligible worker it compared loads, else it took what was left.
 pub fn reason(candidates: &[Arc<Endpoint>], exclude: &[String]) -> &'static str {
-    let choices = candidates
+    // Stops at the second eligible worker: that is all the answer needs.
+    let several = candidates
         .iter()
         .filter(|e| e.ready() && !exclude.contains(&e.id))
-        .count();
-    if choices > 1 {
+        .nth(1)
+        .is_some();
+    if several {
         "lower load of two random ready workers"
     } else {
         "only ready worker left"
@@ -130,6 +157,56 @@ mod tests {
         }
         assert_eq!(reason(&eps, &["tried".into()]), "only ready worker left");
         assert!(pick(&eps, &ids(&eps), &mut rng).is_none());
+    }
+
+    #[tokio::test]
+    async fn at_fleet_size_every_eligible_worker_is_drawn_evenly() {
+        let reg = registry();
+        // 100 idle workers, of which 30 are excluded one way or another.
+        let eps: Vec<_> = (0..100)
+            .map(|i| add(&reg, &format!("w{i:03}"), "m", "v1", i % 10 != 0))
+            .collect();
+        for ep in eps.iter().filter(|e| e.id.ends_with('1')) {
+            ep.draining.store(true, Ordering::SeqCst);
+        }
+        let exclude: Vec<String> = eps
+            .iter()
+            .filter(|e| e.id.ends_with('2'))
+            .map(|e| e.id.clone())
+            .collect();
+        let mut rng = rng();
+        let mut counts: HashMap<String, u32> = HashMap::new();
+        for _ in 0..14_000 {
+            let id = pick(&eps, &exclude, &mut rng).unwrap().id.clone();
+            *counts.entry(id).or_default() += 1;
+        }
+        // 70 eligible, 200 picks each on average (ties go to the first
+        // drawn, which is uniform).
+        assert_eq!(counts.len(), 70, "{counts:?}");
+        assert!(
+            counts.values().all(|&c| (130..280).contains(&c)),
+            "{counts:?}"
+        );
+        assert!(counts.keys().all(|id| !id.ends_with(['0', '1', '2'])));
+    }
+
+    #[tokio::test]
+    async fn with_nearly_every_worker_excluded_the_few_left_are_found() {
+        let reg = registry();
+        let eps: Vec<_> = (0..200)
+            .map(|i| add(&reg, &format!("w{i:03}"), "m", "v1", i == 17 || i == 150))
+            .collect();
+        let mut rng = rng();
+        let mut seen: HashMap<String, u32> = HashMap::new();
+        for _ in 0..200 {
+            *seen
+                .entry(pick(&eps, &[], &mut rng).unwrap().id.clone())
+                .or_default() += 1;
+        }
+        assert_eq!(seen.len(), 2, "{seen:?}");
+        assert!(seen.contains_key("w017") && seen.contains_key("w150"));
+        assert_eq!(reason(&eps, &[]), "lower load of two random ready workers");
+        assert_eq!(reason(&eps, &["w017".into()]), "only ready worker left");
     }
 
     #[tokio::test]

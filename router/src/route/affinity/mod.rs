@@ -307,7 +307,7 @@ impl RequestAffinity {
                     String::new()
                 },
                 candidates: if explain {
-                    describe(candidates)
+                    crate::route::attempt::describe(candidates)
                 } else {
                     String::new()
                 },
@@ -340,22 +340,6 @@ pub fn rendezvous_weight(worker_id: &str, key: u64) -> u64 {
 fn fingerprint(ep: &Endpoint) -> u64 {
     let r = &ep.record;
     xxh3_64_with_seed(r.started_at.as_bytes(), xxh3_64(r.addr.as_bytes()))
-}
-
-/// The candidates and their loads, as the `route` span shows them under P2C.
-fn describe(candidates: &[Arc<Endpoint>]) -> String {
-    candidates
-        .iter()
-        .map(|e| {
-            format!(
-                "{}:{}{}",
-                e.id,
-                e.load(),
-                if e.ready() { "" } else { "(not ready)" }
-            )
-        })
-        .collect::<Vec<_>>()
-        .join(",")
 }
 
 #[cfg(test)]
