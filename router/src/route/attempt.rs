@@ -122,7 +122,7 @@ impl Attempts {
                 &continuing
             };
             let choice = self.affinity.choose(
-                &candidates,
+                candidates,
                 &self.tried,
                 !route.is_disabled(),
                 &mut rand::rng(),
