@@ -279,7 +279,9 @@ mod tests {
 
     #[test]
     fn the_sampling_ratio_is_a_share_from_zero_to_one() {
-        let parse = |v: &str| Cfg::try_parse_from(["t", "--trace-sampling-ratio", v]);
+        // `=`: a separate "-0.1" would read as a flag.
+        let parse =
+            |v: &str| Cfg::try_parse_from(["t".to_string(), format!("--trace-sampling-ratio={v}")]);
         assert_eq!(
             parse("0.1").unwrap().telemetry.trace_sampling_ratio,
             Some(0.1)
