@@ -447,7 +447,7 @@ for rep in $(seq "${PREFIX_REPS:-1}"); do
       wp=$(free_port)
       $BIN/tokenmesh-worker --insecure --listen 127.0.0.1:$wp --worker-id "prefix-$i" --model "$MODEL" \
         --threads "$THREADS" --log warn "${cache_args[@]}" >"$OUT/prefix-$i-worker.log" 2>&1 & pids+=($!)
-      printf '[[workers]]\nid = "prefix-%s"\nmodel = "SmolLM2-135M-Instruct"\nversion = "v1"\naddr = "http://127.0.0.1:%s"\n\n' \
+      printf '[[workers]]\nid = "prefix-%s"\nmodel = "smollm2-135m-instruct"\nversion = "v1"\naddr = "http://127.0.0.1:%s"\n\n' \
         "$i" "$wp" >>"$toml"
       waddrs+=("127.0.0.1:$wp")
     done
