@@ -41,6 +41,25 @@ pub struct WorkerRecord {
     pub engine_model: String,
 }
 
+impl WorkerRecord {
+    /// A record of a worker at `addr` with every other field as an absent
+    /// one reads (the serde defaults), for code that registers by hand.
+    pub fn new(addr: impl Into<String>) -> Self {
+        Self {
+            addr: addr.into(),
+            model_digest: String::new(),
+            accelerator: default_accelerator(),
+            device: String::new(),
+            capacity: default_capacity(),
+            labels: BTreeMap::new(),
+            started_at: String::new(),
+            continues_from_token_ids: yes(),
+            engine: String::new(),
+            engine_model: String::new(),
+        }
+    }
+}
+
 fn default_accelerator() -> String {
     "cpu".into()
 }

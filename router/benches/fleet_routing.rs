@@ -82,16 +82,9 @@ fn fleet(rt: &tokio::runtime::Runtime, n: usize, addr: &str) -> Arc<Registry> {
         );
         for i in 0..n {
             let record = WorkerRecord {
-                addr: addr.into(),
-                model_digest: String::new(),
-                accelerator: "cpu".into(),
                 device: "cpu".into(),
                 capacity: 8,
-                labels: Default::default(),
-                started_at: String::new(),
-                continues_from_token_ids: true,
-                engine: String::new(),
-                engine_model: String::new(),
+                ..WorkerRecord::new(addr)
             };
             reg.upsert_worker(&format!("worker-{i:05}"), MODEL, "v1", record)
                 .expect("a valid address");

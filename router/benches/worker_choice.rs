@@ -29,18 +29,7 @@ fn workers(rt: &tokio::runtime::Runtime, n: usize) -> (Arc<Registry>, Vec<Arc<En
         None,
     );
     for i in 0..n {
-        let record = WorkerRecord {
-            addr: format!("http://127.0.0.1:{}", 10_000 + i),
-            model_digest: String::new(),
-            accelerator: "cpu".into(),
-            device: String::new(),
-            capacity: 1,
-            labels: Default::default(),
-            started_at: String::new(),
-            continues_from_token_ids: true,
-            engine: String::new(),
-            engine_model: String::new(),
-        };
+        let record = WorkerRecord::new(format!("http://127.0.0.1:{}", 10_000 + i));
         reg.upsert_worker(&format!("worker-{i}"), "m", "v1", record)
             .expect("a valid address");
     }

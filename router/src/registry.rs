@@ -592,18 +592,7 @@ pub(crate) mod testing {
         version: &str,
         healthy: bool,
     ) -> Arc<Endpoint> {
-        let record = WorkerRecord {
-            addr: "http://127.0.0.1:9".into(),
-            model_digest: String::new(),
-            accelerator: "cpu".into(),
-            device: String::new(),
-            capacity: 1,
-            labels: Default::default(),
-            started_at: String::new(),
-            continues_from_token_ids: true,
-            engine: String::new(),
-            engine_model: String::new(),
-        };
+        let record = WorkerRecord::new("http://127.0.0.1:9");
         reg.upsert_worker(id, model, version, record).unwrap();
         let ep = reg.model(model).unwrap().versions[version]
             .iter()

@@ -246,16 +246,9 @@ async fn impostor_registered_under_another_id_is_refused() {
     // A forged registration: id w-forged, pointing at a server whose
     // certificate names w-real.
     let record = tokenmesh_proto::records::WorkerRecord {
-        addr: real.addr.clone(),
-        model_digest: String::new(),
-        accelerator: "cpu".into(),
         device: "cpu".into(),
         capacity: 8,
-        labels: Default::default(),
-        started_at: String::new(),
-        continues_from_token_ids: true,
-        engine: String::new(),
-        engine_model: String::new(),
+        ..tokenmesh_proto::records::WorkerRecord::new(real.addr.clone())
     };
     etcd.client()
         .await

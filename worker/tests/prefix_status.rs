@@ -3,12 +3,13 @@
 //! pool caches as the model's does) reports the prompt tokens it served
 //! from the cache and the blocks it keeps, and `--prefix-cache off` turns
 //! both off.
-use clap::Parser;
+mod support;
+
 use std::time::Duration;
+
 use tokenmesh_proto::v1::generate_response::Event;
 use tokenmesh_proto::v1::worker_client::WorkerClient;
 use tokenmesh_proto::v1::{GenerateRequest, StatusRequest, StatusResponse, WorkerGenerateRequest};
-use tokenmesh_worker::config::WorkerConfig;
 use tonic::transport::Channel;
 
 const MODEL: &str = "m";
@@ -17,30 +18,8 @@ const PROMPT_WORDS: usize = 100;
 
 /// A synthetic worker started with `extra` flags; a client once it answers.
 async fn worker(extra: &[&str]) -> WorkerClient<Channel> {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let args = [
-        "tokenmesh-worker",
-        "--insecure",
-        "--engine",
-        "synthetic",
-        "--synthetic-tokens-per-sec",
-        "500",
-        "--model-name",
-        MODEL,
-    ];
-    let cfg = WorkerConfig::try_parse_from(args.iter().chain(extra)).unwrap();
-    tokio::spawn(tokenmesh_worker::run(cfg, listener, std::future::pending()));
-    let channel = Channel::from_shared(format!("http://{addr}"))
-        .unwrap()
-        .connect_lazy();
-    let mut client = WorkerClient::new(channel);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while client.status(StatusRequest {}).await.is_err() {
-        assert!(tokio::time::Instant::now() < deadline, "worker not serving");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    client
+    let flags = [&["--synthetic-tokens-per-sec", "500"][..], extra].concat();
+    support::synthetic_worker(MODEL, &flags).await
 }
 
 /// Runs one request to its end.

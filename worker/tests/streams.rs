@@ -3,15 +3,14 @@
 //! stream its (request id, attempt id) names, and finishes it as CANCELLED;
 //! a name in use is refused; a worker picks a name for a caller that gives
 //! none; and what the KV cache cannot hold is refused by the call itself.
-use clap::Parser;
-use std::time::Duration;
+mod support;
+
 use tokenmesh_proto::v1::generate_response::Event;
 use tokenmesh_proto::v1::worker_client::WorkerClient;
 use tokenmesh_proto::v1::{
     AbortRequest, FinishReason, Finished, GenerateRequest, GenerateResponse, StatusRequest,
     WorkerGenerateRequest,
 };
-use tokenmesh_worker::config::WorkerConfig;
 use tonic::transport::Channel;
 use tonic::{Code, Streaming};
 
@@ -20,32 +19,11 @@ const MODEL: &str = "m";
 /// A synthetic worker at 200 tokens/s per sequence with 1 MiB of KV cache
 /// (1,024 tokens); a client once it answers.
 async fn worker() -> WorkerClient<Channel> {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let cfg = WorkerConfig::try_parse_from([
-        "tokenmesh-worker",
-        "--insecure",
-        "--engine",
-        "synthetic",
-        "--synthetic-tokens-per-sec",
-        "200",
-        "--kv-budget-mib",
-        "1",
-        "--model-name",
+    support::synthetic_worker(
         MODEL,
-    ])
-    .unwrap();
-    tokio::spawn(tokenmesh_worker::run(cfg, listener, std::future::pending()));
-    let channel = Channel::from_shared(format!("http://{addr}"))
-        .unwrap()
-        .connect_lazy();
-    let mut client = WorkerClient::new(channel);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while client.status(StatusRequest {}).await.is_err() {
-        assert!(tokio::time::Instant::now() < deadline, "worker not serving");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    client
+        &["--synthetic-tokens-per-sec", "200", "--kv-budget-mib", "1"],
+    )
+    .await
 }
 
 /// A call named (`request_id`, `attempt_id`) for `max_tokens` tokens.
