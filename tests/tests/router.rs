@@ -220,7 +220,11 @@ async fn frozen_worker_is_ejected_and_returns() {
 }
 
 /// Load spread (issue 5, test 4): power of two choices on live load sends a
-/// slow worker fewer streams than round-robin's half. Two synthetic workers,
+/// slow worker fewer streams than round-robin's half. The router runs with
+/// `--worker-choice p2c`: under the default cache-aware choice every one of
+/// these identical prompts prefers one rendezvous worker, which may be the
+/// slow one, until its load passes the margin (that guard is
+/// `cache_aware`'s to test). Two synthetic workers,
 /// one ten times slower than the other, both with room for every stream; the
 /// count of streams each served (Finished.worker_id) is what is checked, not
 /// a time, so a loaded machine changes the margin little.
@@ -243,7 +247,12 @@ async fn p2c_sends_a_slow_worker_fewer_streams() {
         };
         workers.push(WorkerProc::start(opts, dir.path()).await.unwrap());
     }
-    let router = static_router(dir.path(), &[&workers[0], &workers[1]], &[]).await;
+    let router = static_router(
+        dir.path(),
+        &[&workers[0], &workers[1]],
+        &["--worker-choice", "p2c"],
+    )
+    .await;
     // 20 tokens: 0.1 s on the fast worker, 1 s on the slow one.
     let req = GenerateRequest {
         prompt: "Spread these streams".into(),
