@@ -1,6 +1,6 @@
-//! The cost of the cache-aware worker choice (issue 17): hashing a prompt
-//! and deciding among 64 (and 1,000) ready workers with a warm prefix index,
-//! against P2C alone. Criterion gives the mean; a plain timed loop before it
+//! The cost of the cache-aware worker choice (issues 17 and 19): hashing a
+//! prompt and deciding among 10, 64, 100 and 1,000 ready workers with a warm
+//! prefix index, against P2C alone. Criterion gives the mean; a plain timed loop before it
 //! prints the p50/p99/p99.9 of single decisions, the figure the issue sets
 //! (under 10 µs p99 at 64 workers).
 //!
@@ -115,7 +115,7 @@ fn bench(c: &mut Criterion) {
         .build()
         .expect("a runtime");
     let mut group = c.benchmark_group("worker_choice");
-    for n in [64usize, 1_000] {
+    for n in [10usize, 64, 100, 1_000] {
         let (_reg, eps) = workers(&rt, n);
         let aware = Affinity::new(AffinitySettings::default());
         let conversations = warm(&aware, &eps);

@@ -178,6 +178,19 @@ pub struct WorkerChoiceArgs {
     #[arg(long, env = "TOKENMESH_CACHE_AWARE_LOAD_MARGIN", default_value_t = 4)]
     pub cache_aware_load_margin: u32,
 
+    /// Cache-aware choice: load wins also when one more stream would take
+    /// the preferred worker past this multiple of the mean load of the
+    /// eligible workers, rounded up (consistent hashing with bounded loads;
+    /// at least 1, or 0 for no such bound). Catches a few conversations
+    /// hashed onto one worker, which the margin does not.
+    #[arg(
+        long,
+        env = "TOKENMESH_CACHE_AWARE_LOAD_FACTOR",
+        default_value_t = 1.25,
+        value_parser = parse_load_factor
+    )]
+    pub cache_aware_load_factor: f64,
+
     /// Cache-aware choice: most (prompt chunk, worker) pairs the router's
     /// prefix index holds (a chunk is 128 bytes of prompt; about 100 bytes
     /// of memory each); past it the least recently used chunks are dropped.
@@ -188,6 +201,20 @@ pub struct WorkerChoiceArgs {
         value_parser = clap::value_parser!(u64).range(1..=(1 << 26))
     )]
     pub prefix_index_entries: u64,
+}
+
+/// `--cache-aware-load-factor`: 0, or a finite number of at least 1.
+fn parse_load_factor(s: &str) -> Result<f64, String> {
+    let f: f64 = s
+        .parse()
+        .map_err(|e| format!("{s:?} is not a number: {e}"))?;
+    if f == 0.0 || (f.is_finite() && f >= 1.0) {
+        Ok(f)
+    } else {
+        Err(format!(
+            "{s} is below 1 (a worker could never take the mean load); give at least 1, or 0 for no bound"
+        ))
+    }
 }
 
 /// Flags of the OpenAI-compatible HTTP API.
@@ -256,6 +283,7 @@ impl RouterConfig {
             affinity: AffinitySettings {
                 choice: self.worker_choice.worker_choice,
                 load_margin: self.worker_choice.cache_aware_load_margin,
+                load_factor: self.worker_choice.cache_aware_load_factor,
                 index_pairs: self.worker_choice.prefix_index_entries as usize,
             },
         }
@@ -336,17 +364,22 @@ mod tests {
             "0",
             "--prefix-index-entries",
             "10",
+            "--cache-aware-load-factor",
+            "0",
         ])
         .unwrap();
         let a = cfg.routing().affinity;
         assert_eq!(
-            (a.choice, a.load_margin, a.index_pairs),
-            (WorkerChoice::P2c, 0, 10)
+            (a.choice, a.load_margin, a.index_pairs, a.load_factor),
+            (WorkerChoice::P2c, 0, 10, 0.0)
         );
         for bad in [
             ["--worker-choice", "random"],
             ["--prefix-index-entries", "0"],
             ["--cache-aware-load-margin", "-1"],
+            ["--cache-aware-load-factor", "0.5"],
+            ["--cache-aware-load-factor", "inf"],
+            ["--cache-aware-load-factor", "NaN"],
         ] {
             let parsed = RouterConfig::try_parse_from(["tokenmesh-router", bad[0], bad[1]]);
             assert!(parsed.is_err(), "{bad:?}");

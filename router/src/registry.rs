@@ -27,6 +27,10 @@ pub struct Endpoint {
     pub reported_queue: AtomicU32,
     /// The last Status poll succeeded.
     pub healthy: AtomicBool,
+    /// Times it went from healthy to unhealthy: the cache-aware index
+    /// names a worker's cache by its registration and this count, since a
+    /// worker that stopped answering may have lost its cache.
+    pub unhealthy_spells: AtomicU32,
     /// The worker said it is draining.
     pub draining: AtomicBool,
     /// A `drain/{worker_id}` key asks every router to stop sending new
@@ -40,6 +44,15 @@ impl Endpoint {
     /// Whether new streams may go here.
     pub fn ready(&self) -> bool {
         self.healthy.load(Ordering::SeqCst) && !self.is_draining()
+    }
+
+    /// Sets whether its polls answer; true if that changed it.
+    pub fn set_healthy(&self, healthy: bool) -> bool {
+        let was = self.healthy.swap(healthy, Ordering::SeqCst);
+        if was && !healthy {
+            self.unhealthy_spells.fetch_add(1, Ordering::SeqCst);
+        }
+        was != healthy
     }
 
     /// Draining, by the worker's own report or a drain key.
@@ -336,6 +349,7 @@ impl Registry {
             in_flight: AtomicU32::new(0),
             reported_queue: AtomicU32::new(0),
             healthy: AtomicBool::new(false),
+            unhealthy_spells: AtomicU32::new(0),
             draining: AtomicBool::new(false),
             drain_requested: AtomicBool::new(false),
             _stop: stop_tx,
@@ -519,8 +533,8 @@ async fn poll_status(
                 metrics::gauge!("llm_endpoint_healthy", &ep.labels()).set(1.0);
                 ep.reported_queue.store(s.queue_depth, Ordering::SeqCst);
                 let was_draining = ep.draining.swap(s.draining, Ordering::SeqCst);
-                let was_healthy = ep.healthy.swap(true, Ordering::SeqCst);
-                if !was_healthy || was_draining != s.draining {
+                let became_healthy = ep.set_healthy(true);
+                if became_healthy || was_draining != s.draining {
                     changes.notify_one();
                 }
                 if logged != Some(true) {
@@ -530,7 +544,7 @@ async fn poll_status(
             }
             Err(e) => {
                 metrics::gauge!("llm_endpoint_healthy", &ep.labels()).set(0.0);
-                if ep.healthy.swap(false, Ordering::SeqCst) {
+                if ep.set_healthy(false) {
                     changes.notify_one();
                 }
                 if logged != Some(false) {
@@ -599,7 +613,7 @@ pub(crate) mod testing {
             .find(|e| e.id == id)
             .unwrap()
             .clone();
-        ep.healthy.store(healthy, Ordering::SeqCst);
+        ep.set_healthy(healthy);
         ep
     }
 }

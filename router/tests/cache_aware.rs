@@ -6,7 +6,8 @@
 //! Two routers that never talk send every turn of a conversation to the same
 //! worker, whichever of them each turn goes through; different conversations
 //! spread over the workers; and the load guard moves streams off a preferred
-//! worker whose load is past the margin, which it does not do with a wide one.
+//! worker whose load is past the margin or would pass 1.25 times the mean,
+//! which it does not do with a wide margin and no bound.
 use clap::Parser;
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -298,7 +299,7 @@ fn count(workers: &[String], id: &str) -> usize {
 }
 
 #[tokio::test]
-async fn the_load_guard_moves_streams_off_a_preferred_worker_past_the_margin() {
+async fn the_load_guard_moves_streams_off_a_preferred_worker_past_the_margin_or_the_bound() {
     let reasons = Reasons::default();
     let _trace =
         tracing::subscriber::set_default(tracing_subscriber::registry().with(reasons.clone()));
@@ -312,12 +313,18 @@ async fn the_load_guard_moves_streams_off_a_preferred_worker_past_the_margin() {
     // also a queue the worker reported a moment before admitting them.
     const ONCE: u32 = 3_600_000;
 
-    // A wide margin: affinity alone, every stream on the conversation's worker.
+    // A wide margin and no bound on the mean: affinity alone, every stream
+    // on the conversation's worker.
     let wide = router(
         dir.path(),
         &pool,
         ONCE,
-        &["--cache-aware-load-margin", "100"],
+        &[
+            "--cache-aware-load-margin",
+            "100",
+            "--cache-aware-load-factor",
+            "0",
+        ],
     )
     .await;
     let (on, streams) = hold(&mut wide.client.clone(), &req, 6).await;
@@ -332,25 +339,63 @@ async fn the_load_guard_moves_streams_off_a_preferred_worker_past_the_margin() {
     // A margin of 1: the preferred worker takes streams until its load is 2
     // above the least loaded one's; then load wins and the rest spread.
     reasons.0.lock().unwrap().clear();
-    let tight = router(dir.path(), &pool, ONCE, &["--cache-aware-load-margin", "1"]).await;
-    let (on, _streams) = hold(&mut tight.client.clone(), &req, 6).await;
-    let reasons = reasons.0.lock().unwrap().clone();
+    let tight = router(
+        dir.path(),
+        &pool,
+        ONCE,
+        &[
+            "--cache-aware-load-margin",
+            "1",
+            "--cache-aware-load-factor",
+            "0",
+        ],
+    )
+    .await;
+    let (on, streams) = hold(&mut tight.client.clone(), &req, 6).await;
+    let seen = reasons.0.lock().unwrap().clone();
     assert_eq!(
         on[..2],
         [preferred.clone(), preferred.clone()],
-        "{on:?} {reasons:#?}"
+        "{on:?} {seen:#?}"
     );
     assert_ne!(on[2], preferred, "{on:?}");
     assert!(count(&on, &preferred) <= 3, "{on:?}");
     let others: BTreeSet<&String> = on.iter().filter(|w| **w != preferred).collect();
     assert!(others.len() >= 2, "{on:?}");
-    assert_eq!(reasons.len(), 6, "{reasons:?}");
+    assert_eq!(seen.len(), 6, "{seen:?}");
     assert!(
-        reasons[0].starts_with("cache-aware: the conversation's rendezvous worker"),
-        "{reasons:?}"
+        seen[0].starts_with("cache-aware: the conversation's rendezvous worker"),
+        "{seen:?}"
     );
     assert!(
-        reasons[2].starts_with(&format!("load guard: {preferred} ")),
-        "{reasons:?}"
+        seen[2].starts_with(&format!("load guard: {preferred} ")),
+        "{seen:?}"
+    );
+    drop(streams);
+    drop(tight);
+    for w in &pool {
+        idle(w).await;
+    }
+
+    // The default bound on the mean, margin wide: one more stream may not
+    // take the preferred worker past ceil(1.25 x (streams + 1) / 4), so
+    // after six it holds at most ceil(1.25 x 6 / 4) = 2.
+    reasons.0.lock().unwrap().clear();
+    let bounded = router(
+        dir.path(),
+        &pool,
+        ONCE,
+        &["--cache-aware-load-margin", "100"],
+    )
+    .await;
+    let (on, _streams) = hold(&mut bounded.client.clone(), &req, 6).await;
+    let seen = reasons.0.lock().unwrap().clone();
+    assert_eq!(on[0], preferred, "{on:?}");
+    assert!(count(&on, &preferred) <= 2, "{on:?} {seen:#?}");
+    assert!(
+        seen.iter()
+            .any(|r| r.starts_with(&format!("load guard: {preferred} "))
+                && r.contains("1.25 times the mean load")),
+        "{seen:#?}"
     );
 }

@@ -6,16 +6,24 @@
 //! sent a prefix elsewhere), which costs a worse choice, never a wrong reply.
 //!
 //! Memory is bounded by `max_pairs` (chunk, worker) pairs: past it the
-//! least recently used chunks go first. A worker that is forgotten (removed,
-//! restarted, unhealthy) loses its holder id at once, so its entries never
-//! match again; they are dropped when their chunk is next touched or aged out.
+//! least recently used chunks go first. The caller names each worker's
+//! cache (a holder): a worker recorded under a new name (restarted, or back
+//! from a spell of unhealthiness) starts empty, and its old name's pairs
+//! never match again; they are dropped when their chunk is next touched or
+//! aged out.
+//!
+//! A decision reads little of it: the conversation's own worker's depth
+//! (one binary search per chunk) and the holders of one chunk, so its cost
+//! does not grow with the number of workers that share a system prompt.
 use lru::LruCache;
 use std::collections::{HashMap, HashSet};
 
-/// One worker incarnation in the index.
+/// One worker's cache as the index names it: its registration and its
+/// spells of unhealthiness, hashed (the caller's choice of name); a new
+/// name for the same worker id starts empty.
 pub type Holder = u64;
 
-/// Workers holding one chunk, sorted by holder id.
+/// Workers holding one chunk, sorted by holder.
 type Holders = Vec<Holder>;
 
 /// The index of one router (all models and versions: the chunk hashes are
@@ -25,13 +33,14 @@ pub struct PrefixIndex {
     /// (chunk, worker) pairs held, dead holders included until dropped.
     pairs: usize,
     max_pairs: usize,
-    /// Worker id -> (the fingerprint of its registration, its holder id).
-    workers: HashMap<String, (u64, Holder)>,
-    /// Pairs per holder, live or dead: a dead holder is gone once its count is.
+    /// Worker id -> the holder it was last recorded under.
+    workers: HashMap<String, Holder>,
+    /// Pairs per holder, live or dead: a holder is gone once its count is.
     counts: HashMap<Holder, usize>,
-    /// Forgotten holders that still have pairs.
+    /// Replaced holders that still have pairs.
     dead: HashSet<Holder>,
-    next_holder: Holder,
+    /// Holders whose last pair went since [`PrefixIndex::take_gone`].
+    gone: Vec<Holder>,
 }
 
 impl PrefixIndex {
@@ -44,7 +53,7 @@ impl PrefixIndex {
             workers: HashMap::new(),
             counts: HashMap::new(),
             dead: HashSet::new(),
-            next_holder: 0,
+            gone: Vec::new(),
         }
     }
 
@@ -58,36 +67,33 @@ impl PrefixIndex {
         self.chunks.len()
     }
 
-    /// The holder id of worker `id` if the index knows this registration of
-    /// it (`fingerprint`); a worker re-registered under the same id (a
-    /// restart) is a new holder, whose cache starts empty.
-    pub fn holder(&self, id: &str, fingerprint: u64) -> Option<Holder> {
-        match self.workers.get(id) {
-            Some(&(f, h)) if f == fingerprint => Some(h),
-            _ => None,
-        }
+    /// The holders of `chunk`, sorted (dead ones may be among them). Does
+    /// not count as a use.
+    pub fn holders_of(&self, chunk: u64) -> &[Holder] {
+        self.chunks.peek(&chunk).map_or(&[], |h| h.as_slice())
     }
 
-    /// The holder id of worker `id`, made if need be.
-    fn holder_or_new(&mut self, id: &str, fingerprint: u64) -> Holder {
-        if let Some(h) = self.holder(id, fingerprint) {
-            return h;
+    /// How many leading `chunks` holder `h` holds: one binary search per
+    /// chunk, stopping at the first it lacks. Does not count as a use (the
+    /// choice's [`PrefixIndex::record`] does).
+    pub fn depth(&self, chunks: &[u64], h: Holder) -> usize {
+        if self.dead.contains(&h) {
+            return 0;
         }
-        // A new registration: the old one's pairs are dead.
-        self.forget(id);
-        let h = self.next_holder;
-        self.next_holder += 1;
-        self.workers.insert(id.to_string(), (fingerprint, h));
-        h
+        chunks
+            .iter()
+            .take_while(|c| {
+                self.chunks
+                    .peek(c)
+                    .is_some_and(|held| held.binary_search(&h).is_ok())
+            })
+            .count()
     }
 
-    /// Forgets worker `id`: nothing it was sent counts any more.
-    pub fn forget(&mut self, id: &str) {
-        if let Some((_, h)) = self.workers.remove(id) {
-            if self.counts.contains_key(&h) {
-                self.dead.insert(h);
-            }
-        }
+    /// Holders whose last pair went (aged out, or dropped as dead) since the
+    /// last call, for the caller to forget what it keeps about them.
+    pub fn take_gone(&mut self) -> Vec<Holder> {
+        std::mem::take(&mut self.gone)
     }
 
     /// Books one pair of `h` fewer.
@@ -98,39 +104,29 @@ impl PrefixIndex {
             if *n == 0 {
                 self.counts.remove(&h);
                 self.dead.remove(&h);
+                self.gone.push(h);
             }
         }
     }
 
-    /// How many leading `chunks` each of `holders` holds, by one walk over
-    /// the chunks that stops at the first chunk none of them holds. Does not
-    /// count as a use (the choice's [`PrefixIndex::record`] does).
-    pub fn matched(&self, chunks: &[u64], holders: &[Option<Holder>], out: &mut Vec<usize>) {
-        out.clear();
-        out.resize(holders.len(), 0);
-        for (i, chunk) in chunks.iter().enumerate() {
-            let Some(held) = self.chunks.peek(chunk) else {
-                return;
-            };
-            let mut any = false;
-            for (c, h) in holders.iter().enumerate() {
-                if let Some(h) = h {
-                    if out[c] == i && held.binary_search(h).is_ok() {
-                        out[c] = i + 1;
-                        any = true;
-                    }
+    /// Records that worker `id`, as holder `h`, was sent a prompt made of
+    /// `chunks`: it holds them now, most recently used. A worker recorded
+    /// before under another holder (a restart, a spell of unhealthiness)
+    /// held nothing that still counts.
+    pub fn record(&mut self, id: &str, h: Holder, chunks: &[u64]) {
+        match self.workers.get_mut(id) {
+            Some(old) if *old == h => {}
+            Some(old) => {
+                let old = std::mem::replace(old, h);
+                if self.counts.contains_key(&old) {
+                    self.dead.insert(old);
                 }
             }
-            if !any {
-                return;
+            None => {
+                self.workers.insert(id.to_string(), h);
             }
         }
-    }
-
-    /// Records that worker `id` (registration `fingerprint`) was sent a
-    /// prompt made of `chunks`: it holds them now, most recently used.
-    pub fn record(&mut self, id: &str, fingerprint: u64, chunks: &[u64]) {
-        let h = self.holder_or_new(id, fingerprint);
+        self.dead.remove(&h);
         for &chunk in chunks {
             match self.chunks.get_mut(&chunk) {
                 Some(held) => match held.binary_search(&h) {
@@ -161,19 +157,19 @@ impl PrefixIndex {
         if self.dead.is_empty() {
             return;
         }
-        let mut gone = Vec::new();
+        let mut dropped = Vec::new();
         for chunk in chunks {
             if let Some(held) = self.chunks.peek_mut(chunk) {
                 held.retain(|h| {
                     let dead = self.dead.contains(h);
                     if dead {
-                        gone.push(*h);
+                        dropped.push(*h);
                     }
                     !dead
                 });
             }
         }
-        for h in gone {
+        for h in dropped {
             self.unhold(h);
         }
     }
@@ -183,31 +179,25 @@ impl PrefixIndex {
 mod tests {
     use super::*;
 
-    fn holders(index: &PrefixIndex, ids: &[&str]) -> Vec<Option<Holder>> {
-        ids.iter().map(|id| index.holder(id, 1)).collect()
-    }
-
-    fn matched(index: &PrefixIndex, chunks: &[u64], ids: &[&str]) -> Vec<usize> {
-        let mut out = Vec::new();
-        index.matched(chunks, &holders(index, ids), &mut out);
-        out
+    fn depths(index: &PrefixIndex, chunks: &[u64], holders: &[Holder]) -> Vec<usize> {
+        holders.iter().map(|&h| index.depth(chunks, h)).collect()
     }
 
     #[test]
     fn each_worker_matches_the_leading_chunks_it_was_sent() {
         let mut index = PrefixIndex::new(1_000);
-        index.record("a", 1, &[1, 2, 3, 4]);
-        index.record("b", 1, &[1, 2, 9]);
-        assert_eq!(
-            matched(&index, &[1, 2, 3, 4, 5], &["a", "b", "c"]),
-            [4, 2, 0]
-        );
+        index.record("a", 10, &[1, 2, 3, 4]);
+        index.record("b", 20, &[1, 2, 9]);
+        assert_eq!(depths(&index, &[1, 2, 3, 4, 5], &[10, 20, 30]), [4, 2, 0]);
         // A chunk held after a gap does not count: the prefix ends at the gap.
-        assert_eq!(matched(&index, &[1, 7, 3, 4], &["a", "b"]), [1, 1]);
-        assert_eq!(matched(&index, &[8, 1, 2], &["a", "b"]), [0, 0]);
+        assert_eq!(depths(&index, &[1, 7, 3, 4], &[10, 20]), [1, 1]);
+        assert_eq!(depths(&index, &[8, 1, 2], &[10, 20]), [0, 0]);
+        assert_eq!(index.holders_of(2), [10, 20]);
+        assert_eq!(index.holders_of(9), [20]);
+        assert!(index.holders_of(77).is_empty());
         assert_eq!(index.pairs(), 7);
         // Recording again adds nothing.
-        index.record("a", 1, &[1, 2, 3, 4]);
+        index.record("a", 10, &[1, 2, 3, 4]);
         assert_eq!(index.pairs(), 7);
     }
 
@@ -215,46 +205,47 @@ mod tests {
     fn memory_is_bounded_and_the_oldest_chunks_go_first() {
         let mut index = PrefixIndex::new(10);
         index.record("a", 1, &[1, 2, 3, 4]);
-        index.record("b", 1, &[1, 2]);
+        index.record("b", 2, &[1, 2]);
         index.record("a", 1, &[10, 11, 12, 13, 14]);
         // 11 pairs: chunk 3, the least recently used (b's record used 1
         // and 2 again), went.
         assert_eq!(index.pairs(), 10);
-        assert_eq!(matched(&index, &[1, 2, 3, 4], &["a", "b"]), [2, 2]);
-        assert_eq!(matched(&index, &[10, 11, 12, 13, 14], &["a"]), [5]);
+        assert_eq!(depths(&index, &[1, 2, 3, 4], &[1, 2]), [2, 2]);
+        assert_eq!(depths(&index, &[10, 11, 12, 13, 14], &[1]), [5]);
         for i in 0..1_000u64 {
-            index.record("c", 1, &[100 + i, 5_000 + i]);
+            index.record("c", 3, &[100 + i, 5_000 + i]);
             assert!(index.pairs() <= 10);
         }
         assert!(index.chunks() <= 10);
         // The most recent survive.
-        assert_eq!(matched(&index, &[1_099, 5_999], &["c"]), [2]);
-        assert_eq!(matched(&index, &[100, 5_000], &["c"]), [0]);
+        assert_eq!(depths(&index, &[1_099, 5_999], &[3]), [2]);
+        assert_eq!(depths(&index, &[100, 5_000], &[3]), [0]);
+        // a and b aged out entirely; c never did.
+        let gone = index.take_gone();
+        assert!(
+            gone.contains(&1) && gone.contains(&2) && !gone.contains(&3),
+            "{gone:?}"
+        );
+        assert!(index.take_gone().is_empty());
     }
 
     #[test]
-    fn a_forgotten_or_restarted_worker_holds_nothing() {
+    fn a_worker_under_a_new_holder_holds_nothing_and_its_old_pairs_go() {
         let mut index = PrefixIndex::new(1_000);
         index.record("a", 1, &[1, 2, 3]);
-        index.record("b", 1, &[1, 2, 3]);
-        index.forget("a");
-        assert_eq!(matched(&index, &[1, 2, 3], &["a", "b"]), [0, 3]);
-        // Its pairs are dropped as their chunks are touched.
-        index.record("b", 1, &[1, 2, 3]);
-        assert_eq!(index.pairs(), 3);
-        // The same id under a new registration starts empty too.
-        index.record("b", 1, &[4]);
-        let mut out = Vec::new();
-        index.matched(&[1, 2, 3], &[index.holder("b", 2)], &mut out);
-        assert_eq!(out, [0]);
-        index.record("b", 2, &[5]);
-        index.matched(&[1, 2, 3], &[index.holder("b", 2)], &mut out);
-        assert_eq!(out, [0]);
-        // The old registration's pairs went as their chunks were touched or
-        // aged out; here they are only dead, and go with their chunks.
-        index.record("b", 2, &[1, 2, 3, 4]);
+        index.record("b", 2, &[1, 2, 3]);
+        // a restarted (or was unhealthy): it is holder 11 now.
+        index.record("a", 11, &[4]);
+        assert_eq!(depths(&index, &[1, 2, 3], &[1, 11, 2]), [0, 0, 3]);
+        assert_eq!(index.pairs(), 7);
+        // Its old pairs are dropped as their chunks are touched.
+        index.record("b", 2, &[1, 2]);
         assert_eq!(index.pairs(), 5);
-        index.matched(&[5], &[index.holder("b", 2)], &mut out);
-        assert_eq!(out, [1]);
+        assert!(index.take_gone().is_empty());
+        index.record("b", 2, &[3]);
+        assert_eq!(index.pairs(), 4);
+        assert_eq!(index.take_gone(), [1]);
+        index.record("a", 11, &[1, 2, 3, 4]);
+        assert_eq!(depths(&index, &[1, 2, 3, 4], &[11]), [4]);
     }
 }

@@ -9,6 +9,12 @@
 //! - [`decide`]: the pure decision (rendezvous worker, longest prefix, load
 //!   guard).
 //!
+//! A decision reads every candidate once, for its load and its rendezvous
+//! weight (a hash of a few bytes); the index is read only for the
+//! rendezvous worker and for the few workers holding this conversation's
+//! next chunk, so a fleet that shares a system prompt does not make the
+//! decision cost workers × chunks.
+//!
 //! Estimated cached tokens are matched bytes times a tokens-per-byte ratio
 //! learned per model from finished requests (prompt tokens / prompt bytes),
 //! starting from [`INITIAL_TOKENS_PER_BYTE`]. With `--worker-choice p2c`
@@ -19,15 +25,14 @@ pub mod index;
 
 use super::p2c;
 use crate::registry::Endpoint;
-use decide::{Candidate, Decision};
+use decide::{Contender, Decision, Field, Guard};
 use digest::{PromptDigest, CHUNK_BYTES};
-use index::PrefixIndex;
-use rand::seq::index::sample;
+use index::{Holder, PrefixIndex};
 use rand::Rng;
 use std::collections::HashMap;
 use std::fmt::Write;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use tokenmesh_proto::v1::GenerateRequest;
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
@@ -35,7 +40,7 @@ use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum WorkerChoice {
     /// The worker holding the longest prefix of the prompt, by conversation
-    /// affinity, unless its load is past the margin.
+    /// affinity, unless its load is past the guard.
     #[default]
     CacheAware,
     /// Power of two choices on live load alone.
@@ -43,12 +48,15 @@ pub enum WorkerChoice {
 }
 
 /// Settings of the worker choice (from the router's flags).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AffinitySettings {
     pub choice: WorkerChoice,
     /// Streams by which the preferred worker's load may exceed the least
     /// loaded one's before load wins.
     pub load_margin: u32,
+    /// Most load of the preferred worker, one more stream included, as a
+    /// multiple of the mean load of the eligible workers (0: no such bound).
+    pub load_factor: f64,
     /// Most (chunk, worker) pairs the index holds.
     pub index_pairs: usize,
 }
@@ -58,6 +66,7 @@ impl Default for AffinitySettings {
         Self {
             choice: WorkerChoice::CacheAware,
             load_margin: 4,
+            load_factor: 1.25,
             index_pairs: 1 << 18,
         }
     }
@@ -73,6 +82,12 @@ const RATIO_WEIGHT: f64 = 0.05;
 /// Candidates shown on the `route` span at most (there may be a thousand).
 const SHOWN: usize = 16;
 
+/// Holders of the conversation's next chunk weighed per decision at most.
+/// They are normally one or two (the workers this conversation was sent
+/// to); the bound keeps a prompt that every worker was sent from making
+/// the decision cost grow with the fleet.
+const RIVALS: usize = 32;
+
 /// The router-wide state of the worker choice.
 pub struct Affinity {
     settings: AffinitySettings,
@@ -81,6 +96,8 @@ pub struct Affinity {
 
 struct State {
     index: PrefixIndex,
+    /// Holder -> the endpoint it names, for the holders in the index.
+    endpoints: HashMap<Holder, Weak<Endpoint>>,
     /// Model -> learned tokens per byte.
     ratios: HashMap<String, f64>,
 }
@@ -95,6 +112,13 @@ pub struct Choice {
     pub candidates: String,
 }
 
+/// A worker weighed by one decision.
+struct Weighed {
+    ep: Arc<Endpoint>,
+    weight: u64,
+    contender: Contender,
+}
+
 impl Affinity {
     /// The worker choice of one router.
     pub fn new(settings: AffinitySettings) -> Arc<Self> {
@@ -102,6 +126,7 @@ impl Affinity {
             settings,
             state: Mutex::new(State {
                 index: PrefixIndex::new(settings.index_pairs),
+                endpoints: HashMap::new(),
                 ratios: HashMap::new(),
             }),
         })
@@ -149,6 +174,13 @@ impl Affinity {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    fn guard(&self) -> Guard {
+        Guard {
+            margin: self.settings.load_margin,
+            factor: self.settings.load_factor,
+        }
+    }
+
     /// The cache-aware choice among `candidates` not in `exclude`; with
     /// `explain`, also the reason and the candidates as the `route` span
     /// shows them (formatting them costs more than the choice itself).
@@ -161,104 +193,192 @@ impl Affinity {
         explain: bool,
         rng: &mut impl Rng,
     ) -> Choice {
-        let eligible: Vec<&Arc<Endpoint>> = candidates
-            .iter()
-            .filter(|e| e.ready() && !exclude.contains(&e.id))
-            .collect();
-        let fingerprints: Vec<u64> = eligible.iter().map(|e| fingerprint(e)).collect();
-        let mut matched = Vec::with_capacity(eligible.len());
-        let ratio = {
-            let mut state = self.lock();
-            // A worker that stopped answering may have lost its cache (a
-            // restart): what it was sent no longer counts.
-            for e in candidates.iter() {
-                if !e.healthy.load(Ordering::SeqCst) {
-                    state.index.forget(&e.id);
-                }
-            }
-            let holders: Vec<Option<index::Holder>> = eligible
-                .iter()
-                .zip(&fingerprints)
-                .map(|(e, &f)| state.index.holder(&e.id, f))
-                .collect();
-            state.index.matched(&d.chunks, &holders, &mut matched);
-            state
-                .ratios
-                .get(model)
-                .copied()
-                .unwrap_or(INITIAL_TOKENS_PER_BYTE)
+        let eligible = |e: &Endpoint| e.ready() && !exclude.contains(&e.id);
+        // One pass: the rendezvous worker, and the loads of the field.
+        let mut field = Field {
+            eligible: 0,
+            least: u32::MAX,
+            total: 0,
         };
-        let cached = |m: usize| ((m * CHUNK_BYTES).min(d.bytes) as f64 * ratio).round() as u64;
-        let cands: Vec<Candidate> = eligible
-            .iter()
-            .zip(&matched)
-            .map(|(e, &m)| Candidate {
-                load: e.load(),
-                matched: m,
-                weight: rendezvous_weight(&e.id, d.conversation),
-            })
-            .collect();
-        let mut shown = String::new();
-        for (i, e) in candidates
-            .iter()
-            .enumerate()
-            .take(if explain { SHOWN } else { 0 })
-        {
-            if i > 0 {
-                shown.push(',');
-            }
-            match eligible.iter().position(|x| Arc::ptr_eq(x, e)) {
-                Some(j) => {
-                    let _ = write!(
-                        shown,
-                        "{}:{}:~{}t",
-                        e.id,
-                        cands[j].load,
-                        cached(cands[j].matched)
-                    );
-                }
-                None => {
-                    let why = if e.ready() { "(tried)" } else { "(not ready)" };
-                    let _ = write!(shown, "{}:{}{why}", e.id, e.load());
-                }
+        let mut top: Option<(u64, &Arc<Endpoint>, u32)> = None;
+        for e in candidates.iter().filter(|e| eligible(e)) {
+            let load = e.load();
+            field.eligible += 1;
+            field.least = field.least.min(load);
+            field.total += u64::from(load);
+            let w = rendezvous_weight(&e.id, d.conversation);
+            if top.is_none_or(|(tw, t, _)| w > tw || (w == tw && e.id < t.id)) {
+                top = Some((w, e, load));
             }
         }
-        if explain && candidates.len() > SHOWN {
-            let _ = write!(shown, ",+{} more", candidates.len() - SHOWN);
-        }
-        let (worker, reason) = match eligible.len() {
-            0 => (None, "no ready worker left".to_string()),
-            1 => (
-                Some(eligible[0].clone()),
-                "only ready worker left".to_string(),
-            ),
-            _ => {
-                let margin = self.settings.load_margin;
-                let decision: Decision = decide::decide(&cands, d.key_chunks, margin, |n| {
-                    let two = sample(rng, n, 2);
-                    (two.index(0), two.index(1))
-                });
-                let reason = if explain {
-                    let ids: Vec<&str> = eligible.iter().map(|e| e.id.as_str()).collect();
-                    let est: Vec<u64> = cands.iter().map(|c| cached(c.matched)).collect();
-                    let loads: Vec<u32> = cands.iter().map(|c| c.load).collect();
-                    decide::explain(&decision, &ids, &est, &loads, margin)
-                } else {
-                    String::new()
-                };
-                (Some(eligible[decision.chosen].clone()), reason)
+        let Some((top_weight, top_ep, top_load)) = top else {
+            return Choice {
+                worker: None,
+                reason: "no ready worker left".to_string(),
+                candidates: self.shown(d, model, candidates, exclude, explain),
+            };
+        };
+        let (rendezvous, mut rivals) = {
+            let state = self.lock();
+            let own = holder(top_ep);
+            let rendezvous = Weighed {
+                ep: top_ep.clone(),
+                weight: top_weight,
+                contender: Contender {
+                    load: top_load,
+                    matched: state.index.depth(&d.chunks, own),
+                },
+            };
+            // Any worker holding more of the prompt than the rendezvous
+            // worker, through the conversation key, holds this chunk.
+            let at = rendezvous
+                .contender
+                .matched
+                .max(d.key_chunks.saturating_sub(1));
+            let mut rivals = Vec::new();
+            if let Some(&chunk) = d.chunks.get(at) {
+                for &h in state.index.holders_of(chunk).iter().take(RIVALS) {
+                    let Some(ep) = state.endpoints.get(&h).and_then(Weak::upgrade) else {
+                        continue;
+                    };
+                    // A stale name (it restarted or went unhealthy since).
+                    if h == own || holder(&ep) != h || !eligible(&ep) {
+                        continue;
+                    }
+                    let weight = rendezvous_weight(&ep.id, d.conversation);
+                    let contender = Contender {
+                        load: ep.load(),
+                        matched: state.index.depth(&d.chunks, h),
+                    };
+                    rivals.push(Weighed {
+                        ep,
+                        weight,
+                        contender,
+                    });
+                }
             }
+            (rendezvous, rivals)
+        };
+        // Only a candidate of this request may win (a continuation is
+        // offered fewer workers; a worker may have left the registry).
+        if !rivals.is_empty() {
+            let mut offered: Vec<*const Endpoint> = Vec::with_capacity(rivals.len());
+            rivals.sort_by_key(|r| Arc::as_ptr(&r.ep));
+            for c in candidates {
+                let p = Arc::as_ptr(c);
+                if rivals
+                    .binary_search_by_key(&p, |r| Arc::as_ptr(&r.ep))
+                    .is_ok()
+                {
+                    offered.push(p);
+                }
+            }
+            rivals.retain(|r| offered.contains(&Arc::as_ptr(&r.ep)));
+        }
+        let rival = rivals
+            .into_iter()
+            .max_by_key(|r| (r.contender.matched, r.weight));
+        let guard = self.guard();
+        let decision: Decision = decide::decide(
+            rendezvous.contender,
+            rival.as_ref().map(|r| r.contender),
+            d.key_chunks,
+            field,
+            guard,
+        );
+        let preferred = match (&rival, decision.rival) {
+            (Some(r), true) => r,
+            _ => &rendezvous,
+        };
+        let worker = if field.eligible == 1 {
+            Some(preferred.ep.clone())
+        } else if decision.overload.is_some() {
+            p2c::pick(candidates, exclude, rng)
+        } else {
+            Some(preferred.ep.clone())
+        };
+        let reason = if !explain {
+            String::new()
+        } else if field.eligible == 1 {
+            "only ready worker left".to_string()
+        } else {
+            let cached = estimate(
+                preferred.contender.matched,
+                d.bytes,
+                self.tokens_per_byte(model),
+            );
+            decide::explain(
+                &decision,
+                &preferred.ep.id,
+                cached,
+                preferred.contender.load,
+                guard,
+            )
         };
         Choice {
             worker,
             reason,
-            candidates: shown,
+            candidates: self.shown(d, model, candidates, exclude, explain),
         }
     }
 
+    /// The first [`SHOWN`] candidates as the `route` span shows them: id,
+    /// load and estimated cached tokens, or why it was not eligible.
+    fn shown(
+        &self,
+        d: &PromptDigest,
+        model: &str,
+        candidates: &[Arc<Endpoint>],
+        exclude: &[String],
+        explain: bool,
+    ) -> String {
+        let mut shown = String::new();
+        if !explain {
+            return shown;
+        }
+        let state = self.lock();
+        let ratio = state
+            .ratios
+            .get(model)
+            .copied()
+            .unwrap_or(INITIAL_TOKENS_PER_BYTE);
+        for (i, e) in candidates.iter().take(SHOWN).enumerate() {
+            if i > 0 {
+                shown.push(',');
+            }
+            if !e.ready() {
+                let _ = write!(shown, "{}:{}(not ready)", e.id, e.load());
+            } else if exclude.contains(&e.id) {
+                let _ = write!(shown, "{}:{}(tried)", e.id, e.load());
+            } else {
+                let matched = state.index.depth(&d.chunks, holder(e));
+                let _ = write!(
+                    shown,
+                    "{}:{}:~{}t",
+                    e.id,
+                    e.load(),
+                    estimate(matched, d.bytes, ratio)
+                );
+            }
+        }
+        if candidates.len() > SHOWN {
+            let _ = write!(shown, ",+{} more", candidates.len() - SHOWN);
+        }
+        shown
+    }
+
     /// Records that `ep` was sent the prompt of `d`.
-    pub fn record(&self, d: &PromptDigest, ep: &Endpoint) {
-        self.lock().index.record(&ep.id, fingerprint(ep), &d.chunks);
+    pub fn record(&self, d: &PromptDigest, ep: &Arc<Endpoint>) {
+        if d.chunks.is_empty() {
+            return;
+        }
+        let h = holder(ep);
+        let mut state = self.lock();
+        state.index.record(&ep.id, h, &d.chunks);
+        for gone in state.index.take_gone() {
+            state.endpoints.remove(&gone);
+        }
+        state.endpoints.insert(h, Arc::downgrade(ep));
     }
 
     /// Learns from a finished request of `model` whose `bytes` of rendering
@@ -275,6 +395,12 @@ impl Affinity {
             .or_insert(INITIAL_TOKENS_PER_BYTE);
         *r += RATIO_WEIGHT * (sample - *r);
     }
+}
+
+/// Estimated cached tokens of `matched` leading chunks of a `bytes`-long
+/// rendering.
+fn estimate(matched: usize, bytes: usize, tokens_per_byte: f64) -> u64 {
+    ((matched * CHUNK_BYTES).min(bytes) as f64 * tokens_per_byte).round() as u64
 }
 
 /// One request's worker choice, across its retries and failovers.
@@ -316,7 +442,7 @@ impl RequestAffinity {
     }
 
     /// The stream to `ep` is open: it now holds the prompt.
-    pub fn opened(&self, ep: &Endpoint) {
+    pub fn opened(&self, ep: &Arc<Endpoint>) {
         if let Some(d) = &self.digest {
             self.shared.record(d, ep);
         }
@@ -335,11 +461,19 @@ pub fn rendezvous_weight(worker_id: &str, key: u64) -> u64 {
     xxh3_64_with_seed(worker_id.as_bytes(), key)
 }
 
-/// Names one registration of a worker: a worker re-registered under the
-/// same id (a restart, a new address) is a new holder in the index.
-fn fingerprint(ep: &Endpoint) -> u64 {
+/// Names a worker's cache in the index: its id, its registration and its
+/// spells of unhealthiness. A worker re-registered under the same id (a
+/// restart, a new address), or one that stopped answering for a while (it
+/// may have restarted: a static file's record does not change), is a new
+/// holder; ids multiplexed over one address are separate holders.
+fn holder(ep: &Endpoint) -> Holder {
     let r = &ep.record;
-    xxh3_64_with_seed(r.started_at.as_bytes(), xxh3_64(r.addr.as_bytes()))
+    let spells = u64::from(ep.unhealthy_spells.load(Ordering::SeqCst));
+    let seed = xxh3_64(r.addr.as_bytes()) ^ spells.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    xxh3_64_with_seed(
+        r.started_at.as_bytes(),
+        xxh3_64_with_seed(ep.id.as_bytes(), seed),
+    )
 }
 
 #[cfg(test)]
@@ -473,7 +607,7 @@ mod tests {
         assert!(pairs > 0);
         let shown = req.choose(&eps, &[], true, &mut rng()).candidates;
         assert!(!shown.contains(&format!("{}:0:~0t", ep.id)), "{shown}");
-        ep.healthy.store(false, Ordering::SeqCst);
+        ep.set_healthy(false);
         let choice = req.choose(&eps, &[], true, &mut rng());
         assert_eq!(choice.reason, "only ready worker left");
         assert!(
@@ -481,7 +615,7 @@ mod tests {
             "{}",
             choice.candidates
         );
-        ep.healthy.store(true, Ordering::SeqCst);
+        ep.set_healthy(true);
         let shown = req.choose(&eps, &[], true, &mut rng()).candidates;
         assert!(shown.contains(&format!("{}:0:~0t", ep.id)), "{shown}");
 
@@ -496,6 +630,53 @@ mod tests {
         assert_eq!(p2c.index_pairs(), 0);
         assert_eq!(choice.reason, "lower load of two random ready workers");
         assert_eq!(p2c.tokens_per_byte("m"), INITIAL_TOKENS_PER_BYTE);
+    }
+
+    #[tokio::test]
+    async fn a_few_conversations_on_one_worker_are_spread_past_the_bound_on_the_mean() {
+        let reg = registry();
+        let eps: Vec<Arc<Endpoint>> = (0..4)
+            .map(|i| add(&reg, &format!("w{i}"), "m", "v1", true))
+            .collect();
+        let aff = cache_aware(4);
+        let req = aff.request(&chat(5, 2), "v1", None);
+        let own = req.choose(&eps, &[], true, &mut rng()).worker.unwrap();
+        req.opened(&own);
+        // Its worker has 3 streams, every other 1: within the margin of 4,
+        // but a fourth would pass ceil(1.25 x 7 / 4) = 3.
+        for e in &eps {
+            let load = if Arc::ptr_eq(e, &own) { 3 } else { 1 };
+            e.in_flight.store(load, Ordering::SeqCst);
+        }
+        for seed in 0..20 {
+            let mut r = rand::rngs::StdRng::seed_from_u64(seed);
+            let choice = req.choose(&eps, &[], true, &mut r);
+            assert_ne!(choice.worker.unwrap().id, own.id);
+            assert!(
+                choice
+                    .reason
+                    .starts_with(&format!("load guard: {} ", own.id))
+                    && choice.reason.contains("would pass 3, 1.25 times the mean"),
+                "{}",
+                choice.reason
+            );
+        }
+        // At 1 stream, as many as every other, it takes its conversation
+        // again (a second is within ceil(1.25 x 5 / 4) = 2).
+        own.in_flight.store(1, Ordering::SeqCst);
+        let choice = req.choose(&eps, &[], true, &mut rng());
+        assert_eq!(choice.worker.unwrap().id, own.id, "{}", choice.reason);
+        // Without the bound, the margin alone lets it.
+        let margin_only = Affinity::new(AffinitySettings {
+            load_factor: 0.0,
+            ..AffinitySettings::default()
+        });
+        own.in_flight.store(3, Ordering::SeqCst);
+        let req = margin_only.request(&chat(5, 2), "v1", None);
+        assert_eq!(
+            req.choose(&eps, &[], true, &mut rng()).worker.unwrap().id,
+            own.id
+        );
     }
 
     #[test]
