@@ -8,19 +8,13 @@
 //! spread over the workers; and the load guard moves streams off a preferred
 //! worker whose load is past the margin or would pass 1.25 times the mean,
 //! which it does not do with a wide margin and no bound.
-use clap::Parser;
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokenmesh_proto::v1::generate_response::Event;
 use tokenmesh_proto::v1::inference_client::InferenceClient;
 use tokenmesh_proto::v1::worker_client::WorkerClient;
-use tokenmesh_proto::v1::{
-    ChatMessage, GenerateRequest, GenerateResponse, ListModelsRequest, StatusRequest,
-};
-use tokenmesh_router::config::RouterConfig;
-use tokenmesh_worker::config::WorkerConfig;
+use tokenmesh_proto::v1::{ChatMessage, GenerateRequest, GenerateResponse, StatusRequest};
 use tonic::transport::Channel;
 use tonic::Streaming;
 use tracing::field::{Field, Visit};
@@ -28,137 +22,25 @@ use tracing::span::{Id, Record};
 use tracing_subscriber::layer::{Context, SubscriberExt};
 use tracing_subscriber::Layer;
 
-const MODEL: &str = "m";
+mod support;
+use support::{router, Router, Worker, MODEL};
 
-/// A synthetic worker of `MODEL` v1 on a runtime of its own; stops when dropped.
-struct Worker {
-    id: String,
-    addr: SocketAddr,
-    runtime: Option<tokio::runtime::Runtime>,
-}
-
-impl Drop for Worker {
-    fn drop(&mut self) {
-        // Dropped inside the test's own runtime: no blocking wait.
-        if let Some(rt) = self.runtime.take() {
-            rt.shutdown_background();
-        }
-    }
-}
-
-impl Worker {
-    fn start(id: &str, tokens_per_sec: u32) -> Self {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        listener.set_nonblocking(true).unwrap();
-        let addr = listener.local_addr().unwrap();
-        let rate = tokens_per_sec.to_string();
-        let cfg = WorkerConfig::try_parse_from([
-            "tokenmesh-worker",
-            "--insecure",
-            "--engine",
-            "synthetic",
-            "--synthetic-tokens-per-sec",
-            &rate,
-            "--max-batch",
-            "16",
-            "--model-name",
-            MODEL,
-            "--model-version",
-            "v1",
-            "--worker-id",
-            id,
-        ])
-        .unwrap();
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .unwrap();
-        runtime.spawn(async move {
-            let listener = tokio::net::TcpListener::from_std(listener).unwrap();
-            tokenmesh_worker::run(cfg, listener, std::future::pending())
-                .await
-                .unwrap();
-        });
-        Self {
-            id: id.into(),
-            addr,
-            runtime: Some(runtime),
-        }
-    }
-}
-
-/// A router in-process; stops when dropped.
-struct Router {
-    client: InferenceClient<Channel>,
-    _stop: tokio::sync::oneshot::Sender<()>,
-}
-
-/// A router over a static file (in `dir`) listing `workers`, polling their
-/// status every `status_ms`, with `extra` flags, once it sees every worker
-/// ready.
-async fn router(
-    dir: &std::path::Path,
-    workers: &[Worker],
-    status_ms: u32,
-    extra: &[&str],
-) -> Router {
-    let mut toml = String::new();
-    for w in workers {
-        toml.push_str(&format!(
-            "[[workers]]\nid = {:?}\nmodel = {MODEL:?}\nversion = \"v1\"\naddr = \"http://{}\"\n\n",
-            w.id, w.addr
-        ));
-    }
-    let path = dir.join("static.toml");
-    std::fs::write(&path, toml).unwrap();
-    let mut argv = vec![
-        "tokenmesh-router".to_string(),
-        "--insecure".into(),
-        "--static".into(),
-        path.display().to_string(),
-        "--status-interval-ms".into(),
-        status_ms.to_string(),
-    ];
-    argv.extend(extra.iter().map(|s| s.to_string()));
-    let cfg = RouterConfig::try_parse_from(&argv).unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(tokenmesh_router::run(cfg, listener, async {
-        let _ = stopped.await;
-    }));
-    let channel = Channel::from_shared(format!("http://{addr}"))
-        .unwrap()
-        .connect_lazy();
-    let mut client = InferenceClient::new(channel);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let ready = match client.list_models(ListModelsRequest {}).await {
-            Ok(r) => r
-                .into_inner()
-                .models
-                .iter()
-                .flat_map(|m| m.versions.iter().map(|v| v.ready_workers))
-                .sum::<u32>(),
-            Err(_) => 0,
-        };
-        if ready as usize == workers.len() {
-            break;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "workers not ready");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    Router {
-        client,
-        _stop: stop,
-    }
-}
-
+/// `n` synthetic workers w0.. of v1 at `tokens_per_sec` per sequence.
 fn workers(n: usize, tokens_per_sec: u32) -> Vec<Worker> {
     (0..n)
-        .map(|i| Worker::start(&format!("w{i}"), tokens_per_sec))
+        .map(|i| {
+            let id = format!("w{i}");
+            Worker::launch(&id, "v1", Some(&id), tokens_per_sec, &["--max-batch", "16"])
+        })
         .collect()
+}
+
+/// A router over `pool` polling status every `status_ms`, with `extra` flags.
+async fn router_over(pool: &[Worker], status_ms: u32, extra: &[&str]) -> Router {
+    let ms = status_ms.to_string();
+    let mut flags = vec!["--status-interval-ms", ms.as_str()];
+    flags.extend_from_slice(extra);
+    router(&pool.iter().collect::<Vec<_>>(), &flags).await
 }
 
 fn msg(role: &str, content: &str) -> ChatMessage {
@@ -204,9 +86,8 @@ async fn turn(client: &mut InferenceClient<Channel>, req: GenerateRequest) -> (S
 #[tokio::test]
 async fn two_routers_send_every_turn_of_a_conversation_to_one_worker_and_spread_conversations() {
     let pool = workers(4, 2_000);
-    let dir = tempfile::tempdir().unwrap();
-    let a = router(dir.path(), &pool, 100, &[]).await;
-    let b = router(dir.path(), &pool, 100, &[]).await;
+    let a = router_over(&pool, 100, &[]).await;
+    let b = router_over(&pool, 100, &[]).await;
     let mut clients = [a.client.clone(), b.client.clone()];
     const CONVERSATIONS: usize = 8;
     let mut histories: Vec<Vec<ChatMessage>> = (0..CONVERSATIONS).map(|_| vec![system()]).collect();
@@ -305,7 +186,6 @@ async fn the_load_guard_moves_streams_off_a_preferred_worker_past_the_margin_or_
         tracing::subscriber::set_default(tracing_subscriber::registry().with(reasons.clone()));
     // 20 tokens/s: a stream of 2,000 tokens stays open for the whole test.
     let pool = workers(4, 20);
-    let dir = tempfile::tempdir().unwrap();
     let question = msg("user", "one conversation, asked six times at once");
     let req = chat(&[system(), question], 2_000);
     // The routers poll the workers' status once, at start (an hour apart):
@@ -315,8 +195,7 @@ async fn the_load_guard_moves_streams_off_a_preferred_worker_past_the_margin_or_
 
     // A wide margin and no bound on the mean: affinity alone, every stream
     // on the conversation's worker.
-    let wide = router(
-        dir.path(),
+    let wide = router_over(
         &pool,
         ONCE,
         &[
@@ -339,8 +218,7 @@ async fn the_load_guard_moves_streams_off_a_preferred_worker_past_the_margin_or_
     // A margin of 1: the preferred worker takes streams until its load is 2
     // above the least loaded one's; then load wins and the rest spread.
     reasons.0.lock().unwrap().clear();
-    let tight = router(
-        dir.path(),
+    let tight = router_over(
         &pool,
         ONCE,
         &[
@@ -381,13 +259,7 @@ async fn the_load_guard_moves_streams_off_a_preferred_worker_past_the_margin_or_
     // take the preferred worker past ceil(1.25 x (streams + 1) / 4), so
     // after six it holds at most ceil(1.25 x 6 / 4) = 2.
     reasons.0.lock().unwrap().clear();
-    let bounded = router(
-        dir.path(),
-        &pool,
-        ONCE,
-        &["--cache-aware-load-margin", "100"],
-    )
-    .await;
+    let bounded = router_over(&pool, ONCE, &["--cache-aware-load-margin", "100"]).await;
     let (on, _streams) = hold(&mut bounded.client.clone(), &req, 6).await;
     let seen = reasons.0.lock().unwrap().clone();
     assert_eq!(on[0], preferred, "{on:?}");

@@ -1,16 +1,12 @@
 //! Component tests of the request path: the router's `run()` in-process on
 //! 127.0.0.1:0 over a static discovery file, in front of real workers (the
 //! synthetic engine, whose output is a pure function of the prompt) that also
-//! run in-process, each on a runtime of its own so that a test can kill one
-//! outright: shutting its runtime down drops its listener and connections
-//! at once, as a `kill -9` would.
+//! run in-process (`support`), so that a test can kill one outright.
 //!
 //! The tests run on a current-thread runtime, so a thread-local tracing
 //! subscriber sees every span the router makes, and can check the routing
 //! facts written on the `route` spans.
-use clap::Parser;
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokenmesh_proto::codes::classify;
@@ -20,8 +16,6 @@ use tokenmesh_proto::v1::worker_client::WorkerClient;
 use tokenmesh_proto::v1::{
     AbortRequest, FinishReason, Finished, GenerateRequest, ListModelsRequest,
 };
-use tokenmesh_router::config::RouterConfig;
-use tokenmesh_worker::config::WorkerConfig;
 use tonic::transport::Channel;
 use tonic::Code;
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -33,150 +27,8 @@ use tracing_subscriber::layer::{Context, SubscriberExt};
 use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::Layer;
 
-const MODEL: &str = "m";
-
-/// A worker serving `MODEL` with the synthetic engine.
-struct Worker {
-    id: String,
-    version: String,
-    addr: SocketAddr,
-    runtime: Option<tokio::runtime::Runtime>,
-}
-
-impl Worker {
-    /// A worker of v1.
-    fn start(id: &str) -> Self {
-        Self::of_version(id, "v1")
-    }
-
-    fn of_version(id: &str, version: &str) -> Self {
-        Self::launch(id, version, Some(id), &[])
-    }
-
-    /// A worker the static file lists as `id`, started with `--worker-id
-    /// own_id` (none: it names itself) and the further `flags`.
-    fn launch(id: &str, version: &str, own_id: Option<&str>, flags: &[&str]) -> Self {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        listener.set_nonblocking(true).unwrap();
-        let addr = listener.local_addr().unwrap();
-        let mut argv = vec![
-            "tokenmesh-worker",
-            "--insecure",
-            "--engine",
-            "synthetic",
-            "--synthetic-tokens-per-sec",
-            "200",
-            "--model-name",
-            MODEL,
-            "--model-version",
-            version,
-        ];
-        if let Some(own) = own_id {
-            argv.extend(["--worker-id", own]);
-        }
-        argv.extend_from_slice(flags);
-        let cfg = WorkerConfig::try_parse_from(argv).unwrap();
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .unwrap();
-        runtime.spawn(async move {
-            let listener = tokio::net::TcpListener::from_std(listener).unwrap();
-            tokenmesh_worker::run(cfg, listener, std::future::pending())
-                .await
-                .unwrap();
-        });
-        Self {
-            id: id.into(),
-            version: version.into(),
-            addr,
-            runtime: Some(runtime),
-        }
-    }
-
-    /// Stops the worker abruptly: no drain, connections dropped.
-    fn kill(&mut self) {
-        if let Some(rt) = self.runtime.take() {
-            rt.shutdown_background();
-        }
-    }
-}
-
-impl Drop for Worker {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
-/// The router over a static file listing `workers`, with `extra` flags; a
-/// client once every worker is ready behind it. Stops when dropped.
-struct Router {
-    client: InferenceClient<Channel>,
-    _stop: tokio::sync::oneshot::Sender<()>,
-    _dir: tempfile::TempDir,
-}
-
-/// Runs the router with `argv` in-process on 127.0.0.1:0: a lazy channel to
-/// it and the sender that stops it.
-async fn spawn_router(argv: &[String]) -> (Channel, tokio::sync::oneshot::Sender<()>) {
-    let cfg = RouterConfig::try_parse_from(argv).unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(tokenmesh_router::run(cfg, listener, async {
-        let _ = stopped.await;
-    }));
-    let channel = Channel::from_shared(format!("http://{addr}"))
-        .unwrap()
-        .connect_lazy();
-    (channel, stop)
-}
-
-/// A router over a static file listing `workers`, once it sees them ready.
-async fn router(workers: &[&Worker], extra: &[&str]) -> Router {
-    let dir = tempfile::tempdir().unwrap();
-    let mut toml = String::new();
-    for w in workers {
-        toml.push_str(&format!(
-            "[[workers]]\nid = {:?}\nmodel = {MODEL:?}\nversion = {:?}\naddr = \"http://{}\"\n\n",
-            w.id, w.version, w.addr
-        ));
-    }
-    let path = dir.path().join("static.toml");
-    std::fs::write(&path, toml).unwrap();
-    let mut args = vec![
-        "tokenmesh-router".to_string(),
-        "--insecure".into(),
-        "--static".into(),
-        path.display().to_string(),
-    ];
-    args.extend(extra.iter().map(|s| s.to_string()));
-    let (channel, stop) = spawn_router(&args).await;
-    let mut client = InferenceClient::new(channel);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let ready = match client.list_models(ListModelsRequest {}).await {
-            Ok(r) => r
-                .into_inner()
-                .models
-                .iter()
-                .map(|m| m.versions.iter().map(|v| v.ready_workers).sum::<u32>())
-                .sum::<u32>(),
-            Err(_) => 0,
-        };
-        if ready as usize == workers.len() {
-            break;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "workers not ready");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    Router {
-        client,
-        _stop: stop,
-        _dir: dir,
-    }
-}
+mod support;
+use support::{router, spawn_router, Router, Worker, MODEL};
 
 fn request(max_tokens: u32) -> GenerateRequest {
     GenerateRequest {
@@ -498,8 +350,8 @@ async fn what_the_kv_cache_cannot_hold_is_refused_before_accepted_and_a_full_cac
     // window: a prompt that fits the window but not the cache.
     let small = ["--kv-budget-mib", "1"];
     let workers = [
-        Worker::launch("w1", "v1", Some("w1"), &small),
-        Worker::launch("w2", "v1", Some("w2"), &small),
+        Worker::launch("w1", "v1", Some("w1"), 200, &small),
+        Worker::launch("w2", "v1", Some("w2"), 200, &small),
     ];
     let mut r = router(&[&workers[0], &workers[1]], &[]).await;
 
@@ -603,8 +455,8 @@ async fn finished_names_the_worker_as_accepted_does_also_after_a_failover() {
     // Listed in the static file as reg-1 and reg-2; each worker, started
     // without --worker-id, calls itself worker-<random>.
     let mut workers = [
-        Worker::launch("reg-1", "v1", None, &[]),
-        Worker::launch("reg-2", "v1", None, &[]),
+        Worker::launch("reg-1", "v1", None, 200, &[]),
+        Worker::launch("reg-2", "v1", None, 200, &[]),
     ];
     let mut r = router(&[&workers[0], &workers[1]], &[]).await;
     let calm = collect(&mut r.client, request(3), |_, _| {}).await.unwrap();

@@ -510,6 +510,15 @@ mod tests {
         }
     }
 
+    /// `n` ready workers w0.. of m/v1 (the registry keeps them).
+    fn ready(n: usize) -> (Arc<crate::registry::Registry>, Vec<Arc<Endpoint>>) {
+        let reg = registry();
+        let eps = (0..n)
+            .map(|i| add(&reg, &format!("w{i}"), "m", "v1", true))
+            .collect();
+        (reg, eps)
+    }
+
     fn cache_aware(margin: u32) -> Arc<Affinity> {
         Affinity::new(AffinitySettings {
             load_margin: margin,
@@ -519,10 +528,7 @@ mod tests {
 
     #[tokio::test]
     async fn two_routers_choose_alike_without_talking_and_conversations_spread() {
-        let reg = registry();
-        let mut eps: Vec<Arc<Endpoint>> = (0..4)
-            .map(|i| add(&reg, &format!("w{i}"), "m", "v1", true))
-            .collect();
+        let (reg, mut eps) = ready(4);
         let (a, b) = (cache_aware(4), cache_aware(4));
         let mut used = std::collections::BTreeSet::new();
         for c in 0..16 {
@@ -556,10 +562,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_continuation_prefers_another_worker_holding_the_prefix() {
-        let reg = registry();
-        let eps: Vec<Arc<Endpoint>> = (0..4)
-            .map(|i| add(&reg, &format!("w{i}"), "m", "v1", true))
-            .collect();
+        let (_reg, eps) = ready(4);
         let aff = cache_aware(4);
         let req = aff.request(&chat(1, 3), "v1", None);
         let first = req.choose(&eps, &[], true, &mut rng()).worker.unwrap();
@@ -595,10 +598,7 @@ mod tests {
 
     #[tokio::test]
     async fn an_unhealthy_worker_is_forgotten_and_p2c_records_nothing() {
-        let reg = registry();
-        let eps: Vec<Arc<Endpoint>> = (0..2)
-            .map(|i| add(&reg, &format!("w{i}"), "m", "v1", true))
-            .collect();
+        let (_reg, eps) = ready(2);
         let aff = cache_aware(4);
         let req = aff.request(&chat(0, 2), "v1", None);
         let ep = req.choose(&eps, &[], true, &mut rng()).worker.unwrap();
@@ -634,10 +634,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_few_conversations_on_one_worker_are_spread_past_the_bound_on_the_mean() {
-        let reg = registry();
-        let eps: Vec<Arc<Endpoint>> = (0..4)
-            .map(|i| add(&reg, &format!("w{i}"), "m", "v1", true))
-            .collect();
+        let (_reg, eps) = ready(4);
         let aff = cache_aware(4);
         let req = aff.request(&chat(5, 2), "v1", None);
         let own = req.choose(&eps, &[], true, &mut rng()).worker.unwrap();
