@@ -414,10 +414,15 @@ mesh upstream smollm2-135m-instruct --engine upstream --upstream-url "http://127
 for c in 1 16; do
   : >"$OUT/upstream-c$c.jsonl"
   for rep in $(seq "$REPS"); do
-    for to in direct router; do
-      if [ $to = direct ]; then args=(--api openai --target "127.0.0.1:$lp"); else args=(--target "$ROUTER"); fi
+    # Each path its own prompts (seed), and the order alternating: a
+    # llama-server slot reuses the prefix of the prompt it served last, so
+    # a path sent prompts the other had just sent would start warm.
+    order=(direct router); [ $((rep % 2)) = 0 ] && order=(router direct)
+    for to in "${order[@]}"; do
+      if [ $to = direct ]; then args=(--api openai --target "127.0.0.1:$lp"); seed=$((2 * rep));
+      else args=(--target "$ROUTER"); seed=$((2 * rep + 1)); fi
       $BIN/meshctl bench "${args[@]}" --concurrency $c --max-tokens 32 --prompt-words 32 --temperature 0 \
-        --duration "${UPSTREAM_DURATION:-8}" --warmup 2 --seed "$rep" --output json --no-progress \
+        --duration "${UPSTREAM_DURATION:-20}" --warmup 2 --seed "$seed" --output json --no-progress \
         | tag "$to" "$rep" | tee -a "$OUT/upstream.jsonl" >>"$OUT/upstream-c$c.jsonl"
     done
   done

@@ -24,7 +24,7 @@
 //!    as HAProxy and Vimeo run it with factor 1.25). The first catches a
 //!    hot worker under heavy load, the second the imbalance of a few
 //!    conversations hashed onto a few workers (8 conversations on 4 workers
-//!    put 3 or 4 on one worker about half the time), which no absolute
+//!    put 4 or more, twice the mean, on one 45 % of the time), which no absolute
 //!    margin catches at one stream per conversation. Then load wins: power
 //!    of two choices over all eligible workers (Dynamo, SGLang and Ray all
 //!    found that pure affinity overloads a worker).
