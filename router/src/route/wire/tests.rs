@@ -79,7 +79,7 @@ fn accepted_finished_and_no_event_are_decoded_by_prost() {
         worker_id: "w".into(),
     };
     let finished = Finished {
-        reason: FinishReason::Length as i32,
+        finish_reason: FinishReason::Length as i32,
         usage: Some(Usage {
             prompt_tokens: 3,
             completion_tokens: 4,
