@@ -12,12 +12,12 @@
 //! `Worker.Abort`: request ids are chosen by clients and need not be unique.
 use super::affinity::RequestAffinity;
 use super::retry_budget::{RetryBudget, RetryReason};
+use super::wire::{WorkerCodec, WorkerMessage};
 use crate::errors::RouterError;
 use crate::registry::{Endpoint, InFlight, Registry};
 use crate::stats::Attempt;
 use std::sync::Arc;
 use tokenmesh_proto::codes::classify;
-use super::wire::{WorkerCodec, WorkerMessage};
 use tokenmesh_proto::v1::{GenerateRequest, WorkerGenerateRequest};
 use tokenmesh_runtime::{telemetry, Backoff};
 use tokio::time::Instant;

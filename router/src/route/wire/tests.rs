@@ -46,7 +46,17 @@ fn fast(bytes: Bytes) -> EncodedDelta {
 }
 
 /// Seqs around every varint length boundary.
-const SEQS: [u64; 9] = [0, 1, 127, 128, 16_383, 16_384, 1 << 35, u64::MAX - 1, u64::MAX];
+const SEQS: [u64; 9] = [
+    0,
+    1,
+    127,
+    128,
+    16_383,
+    16_384,
+    1 << 35,
+    u64::MAX - 1,
+    u64::MAX,
+];
 
 #[test]
 fn a_delta_is_rewritten_to_the_bytes_prost_writes_for_every_seq() {
@@ -63,7 +73,11 @@ fn a_delta_is_rewritten_to_the_bytes_prost_writes_for_every_seq() {
             assert_eq!(got.token_ids().collect::<Vec<_>>(), d.token_ids);
             assert_eq!(got.decode().unwrap(), d);
             for seq in SEQS {
-                assert_eq!(rewritten(&got, seq), expected(seq, &d), "{worker_seq} -> {seq}");
+                assert_eq!(
+                    rewritten(&got, seq),
+                    expected(seq, &d),
+                    "{worker_seq} -> {seq}"
+                );
             }
         }
     }
@@ -105,7 +119,10 @@ fn accepted_finished_and_no_event_are_decoded_by_prost() {
             WorkerMessage::Empty
         );
     }
-    assert_eq!(WorkerMessage::parse(Bytes::new()).unwrap(), WorkerMessage::Empty);
+    assert_eq!(
+        WorkerMessage::parse(Bytes::new()).unwrap(),
+        WorkerMessage::Empty
+    );
 }
 
 /// Appends an unknown field of each wire type (numbers prost's messages
@@ -135,8 +152,15 @@ fn unknown_fields_are_kept_and_skipped() {
         let out = rewritten(&got, seq);
         // The worker's seq is gone, the router's is in, the rest is as sent.
         let back = GenerateResponse::decode(&out[..]).unwrap();
-        assert_eq!(back, GenerateResponse::decode(&expected(seq, &d)[..]).unwrap());
-        assert_eq!(out.len(), seq_len(seq) + msg.len() - 2, "only seq 42 (2 bytes) removed");
+        assert_eq!(
+            back,
+            GenerateResponse::decode(&expected(seq, &d)[..]).unwrap()
+        );
+        assert_eq!(
+            out.len(),
+            seq_len(seq) + msg.len() - 2,
+            "only seq 42 (2 bytes) removed"
+        );
         let kept = out.windows(5).filter(|w| *w == b"extra").count();
         assert_eq!(kept, 2 + 1, "{out:?}");
     }
@@ -162,7 +186,10 @@ fn token_ids_sent_unpacked_or_in_several_fields_are_all_read() {
     let out = rewritten(&got, 8);
     assert_eq!(
         GenerateResponse::decode(&out[..]).unwrap(),
-        GenerateResponse { seq: 8, ..prost_view }
+        GenerateResponse {
+            seq: 8,
+            ..prost_view
+        }
     );
 }
 
@@ -187,7 +214,10 @@ fn same_as_prost(msg: Vec<u8>) {
                 WorkerMessage::Accepted(a) => Some(Event::Accepted(a)),
                 WorkerMessage::Finished(f) => Some(Event::Finished(f)),
                 WorkerMessage::Delta(d) => {
-                    assert_eq!(d.token_ids().collect::<Vec<_>>(), d.decode().unwrap().token_ids);
+                    assert_eq!(
+                        d.token_ids().collect::<Vec<_>>(),
+                        d.decode().unwrap().token_ids
+                    );
                     let out = rewritten(&d, m.seq);
                     assert_eq!(GenerateResponse::decode(&out[..]).unwrap(), m);
                     Some(Event::Delta(d.decode().unwrap()))
@@ -205,8 +235,16 @@ fn odd_shapes_mean_what_they_mean_to_prost() {
     let d1 = delta(&[1, 2], "a");
     let d2 = delta(&[3], "b");
     let two_deltas = [
-        GenerateResponse { seq: 4, event: Some(Event::Delta(d1.clone())) }.encode_to_vec(),
-        GenerateResponse { seq: 5, event: Some(Event::Delta(d2.clone())) }.encode_to_vec(),
+        GenerateResponse {
+            seq: 4,
+            event: Some(Event::Delta(d1.clone())),
+        }
+        .encode_to_vec(),
+        GenerateResponse {
+            seq: 5,
+            event: Some(Event::Delta(d2.clone())),
+        }
+        .encode_to_vec(),
     ]
     .concat();
     // Two Delta fields merge: the token ids of both, the later text.
@@ -250,7 +288,13 @@ fn broken_messages_fail_as_prost_fails() {
     let mut group = Vec::new();
     prost::encoding::encode_key(30, WireType::StartGroup, &mut group);
     prost::encoding::encode_key(30, WireType::EndGroup, &mut group);
-    for body in [bad_utf8, bad_floats, seq_wrong_type.clone(), usage_wrong_type, group.clone()] {
+    for body in [
+        bad_utf8,
+        bad_floats,
+        seq_wrong_type.clone(),
+        usage_wrong_type,
+        group.clone(),
+    ] {
         let mut msg = Vec::new();
         prost::encoding::bytes::encode(3, &body, &mut msg);
         same_as_prost(msg);
@@ -262,7 +306,9 @@ fn broken_messages_fail_as_prost_fails() {
     same_as_prost([group, good].concat());
     // A length past the end, and a varint longer than ten bytes.
     same_as_prost(vec![0x1a, 0x05, 0x08]);
-    same_as_prost(vec![0x08, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x01]);
+    same_as_prost(vec![
+        0x08, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x01,
+    ]);
 }
 
 #[test]
@@ -270,7 +316,9 @@ fn random_deltas_round_trip_exactly() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(20);
     for _ in 0..2_000 {
         let n = rng.random_range(0..40);
-        let ids: Vec<u32> = (0..n).map(|_| rng.random::<u32>() >> rng.random_range(0..32u32)).collect();
+        let ids: Vec<u32> = (0..n)
+            .map(|_| rng.random::<u32>() >> rng.random_range(0..32u32))
+            .collect();
         let text: String = (0..rng.random_range(0..20))
             .map(|_| char::from_u32(rng.random_range(32..0x3000)).unwrap_or('?'))
             .collect();
@@ -288,7 +336,10 @@ fn random_deltas_round_trip_exactly() {
         assert_eq!(rewritten(&got, seq), expected(seq, &d));
         assert_eq!(
             Outgoing::Delta { seq, delta: got }.into_message().unwrap(),
-            GenerateResponse { seq, event: Some(Event::Delta(d.clone())) }
+            GenerateResponse {
+                seq,
+                event: Some(Event::Delta(d.clone()))
+            }
         );
         let made = EncodedDelta::new(&d);
         assert_eq!(rewritten(&made, seq), expected(seq, &d));
