@@ -14,12 +14,11 @@ pub mod stats;
 
 use config::RouterConfig;
 use registry::Registry;
-use server::InferenceService;
+use server::{InferenceEdge, InferenceService};
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 use tokenmesh_certs::tls::Role;
-use tokenmesh_proto::v1::inference_server::InferenceServer;
 use tokenmesh_runtime::{edge, Server};
 use tokio::net::TcpListener;
 
@@ -100,7 +99,7 @@ pub async fn run(
                 .max_connection_age_grace(Duration::from_secs(cfg.max_connection_age_grace_s))
         })
         .serve(
-            InferenceServer::new(service).max_decoding_message_size(edge::MAX_REQUEST_BYTES),
+            InferenceEdge::new(service, edge::MAX_REQUEST_BYTES),
             listener,
             format!("tokenmesh-router ready on {bound}"),
             shutdown,

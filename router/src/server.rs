@@ -7,17 +7,26 @@ use crate::admission::Admission;
 use crate::errors::RouterError;
 use crate::registry::Registry;
 use crate::route::version::has_canary;
-use crate::route::{request_span, Api, ClientMessages, Incoming, RouteSettings, Router};
+use crate::route::wire::{ClientCodec, Outgoing};
+use crate::route::{
+    request_span, Api, ClientEvents, ClientMessages, Incoming, RouteSettings, Router,
+};
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Instant;
 use tokenmesh_proto::headers;
-use tokenmesh_proto::v1::inference_server::Inference;
+use tokenmesh_proto::v1::inference_server::{Inference, InferenceServer};
 use tokenmesh_proto::v1::{
     GenerateRequest, ListModelsRequest, ListModelsResponse, ModelInfo, VersionInfo,
 };
 use tokenmesh_proto::validate::{check_id, check_name, check_request, MAX_NAME_BYTES};
 use tokenmesh_runtime::telemetry;
+use tonic::body::Body;
 use tonic::metadata::MetadataMap;
+use tonic::server::{NamedService, ServerStreamingService};
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
@@ -106,10 +115,10 @@ impl InferenceService {
         &self,
         request: Request<GenerateRequest>,
         span: tracing::Span,
-    ) -> Result<Response<ClientMessages>, RouterError> {
+    ) -> Result<Response<ClientEvents>, RouterError> {
         let incoming = incoming(request, &span)?;
         let routed = self.router.route(incoming, &span).await?;
-        let mut response = Response::new(routed.stream);
+        let mut response = Response::new(routed.stream.encoded());
         if let Ok(v) = routed.version.parse() {
             response.metadata_mut().insert(headers::VERSION, v);
         }
@@ -118,22 +127,12 @@ impl InferenceService {
         }
         Ok(response)
     }
-}
 
-fn header<'a>(md: &'a MetadataMap, name: &str) -> Option<&'a str> {
-    md.get(name)
-        .and_then(|v| v.to_str().ok())
-        .filter(|s| !s.is_empty())
-}
-
-#[tonic::async_trait]
-impl Inference for InferenceService {
-    type GenerateStream = ClientMessages;
-
-    async fn generate(
+    /// `Generate`, with the client's messages as they go out.
+    async fn generate_encoded(
         &self,
         request: Request<GenerateRequest>,
-    ) -> Result<Response<Self::GenerateStream>, Status> {
+    ) -> Result<Response<ClientEvents>, Status> {
         let span = request_span(Api::Grpc);
         telemetry::adopt_parent(&span, request.metadata());
         // Kept for the refusal's metric label, if it can be one at all.
@@ -156,6 +155,28 @@ impl Inference for InferenceService {
                 Err(status)
             }
         }
+    }
+}
+
+fn header<'a>(md: &'a MetadataMap, name: &str) -> Option<&'a str> {
+    md.get(name)
+        .and_then(|v| v.to_str().ok())
+        .filter(|s| !s.is_empty())
+}
+
+#[tonic::async_trait]
+impl Inference for InferenceService {
+    type GenerateStream = ClientMessages;
+
+    /// The generated server's `Generate`, decoding every message; the router
+    /// serves [`InferenceEdge`], which writes the encoded ones instead.
+    async fn generate(
+        &self,
+        request: Request<GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
+        let response = self.generate_encoded(request).await?;
+        let (md, stream, ext) = response.into_parts();
+        Ok(Response::from_parts(md, ClientMessages::from(stream), ext))
     }
 
     async fn list_models(
@@ -210,5 +231,70 @@ impl Inference for InferenceService {
             })
             .collect();
         Ok(Response::new(ListModelsResponse { models }))
+    }
+}
+
+/// The `Inference` service as the router serves it: `Generate` answered with
+/// the worker's `Delta`s forwarded in their wire encoding ([`ClientCodec`]),
+/// every other method by the generated server (issue 20).
+#[derive(Clone)]
+pub struct InferenceEdge {
+    service: InferenceService,
+    rest: InferenceServer<InferenceService>,
+    max_decoding: usize,
+}
+
+const GENERATE: &str = "/tokenmesh.v1.Inference/Generate";
+
+impl InferenceEdge {
+    /// Serves `service`, refusing request messages over `max_decoding` bytes.
+    pub fn new(service: InferenceService, max_decoding: usize) -> Self {
+        Self {
+            rest: InferenceServer::new(service.clone()).max_decoding_message_size(max_decoding),
+            service,
+            max_decoding,
+        }
+    }
+}
+
+impl NamedService for InferenceEdge {
+    const NAME: &'static str = <InferenceServer<InferenceService> as NamedService>::NAME;
+}
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
+
+impl tower::Service<http::Request<Body>> for InferenceEdge {
+    type Response = http::Response<Body>;
+    type Error = Infallible;
+    type Future = BoxFuture<Result<Self::Response, Infallible>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: http::Request<Body>) -> Self::Future {
+        if req.uri().path() != GENERATE {
+            return tower::Service::call(&mut self.rest, req);
+        }
+        let method = Generate(self.service.clone());
+        let max = self.max_decoding;
+        Box::pin(async move {
+            let mut grpc = tonic::server::Grpc::new(ClientCodec).max_decoding_message_size(max);
+            Ok(grpc.server_streaming(method, req).await)
+        })
+    }
+}
+
+/// `Generate` for tonic's server-streaming plumbing.
+struct Generate(InferenceService);
+
+impl ServerStreamingService<GenerateRequest> for Generate {
+    type Response = Outgoing;
+    type ResponseStream = ClientEvents;
+    type Future = BoxFuture<Result<Response<ClientEvents>, Status>>;
+
+    fn call(&mut self, request: Request<GenerateRequest>) -> Self::Future {
+        let service = self.0.clone();
+        Box::pin(async move { service.generate_encoded(request).await })
     }
 }

@@ -12,12 +12,13 @@
 //! `Worker.Abort`: request ids are chosen by clients and need not be unique.
 use super::affinity::RequestAffinity;
 use super::retry_budget::{RetryBudget, RetryReason};
+use super::wire::{WorkerCodec, WorkerMessage};
 use crate::errors::RouterError;
 use crate::registry::{Endpoint, InFlight, Registry};
 use crate::stats::Attempt;
 use std::sync::Arc;
 use tokenmesh_proto::codes::classify;
-use tokenmesh_proto::v1::{GenerateRequest, GenerateResponse, WorkerGenerateRequest};
+use tokenmesh_proto::v1::{GenerateRequest, WorkerGenerateRequest};
 use tokenmesh_runtime::{telemetry, Backoff};
 use tokio::time::Instant;
 use tonic::{Status, Streaming};
@@ -25,8 +26,8 @@ use tracing::Span;
 
 /// A worker stream that has been opened, with the worker it runs on.
 pub struct Upstream {
-    /// The worker's messages.
-    pub stream: Streaming<GenerateResponse>,
+    /// The worker's messages, `Delta`s still encoded ([`super::wire`]).
+    pub stream: Streaming<WorkerMessage>,
     /// Counts the stream in the worker's load until dropped.
     pub guard: InFlight,
     /// The client span of the call to the worker; ends with the stream.
@@ -229,7 +230,7 @@ impl Attempts {
             call.set_timeout(left);
         }
         let mut attempt = self.registry.stats().attempt(&ep.model, &ep.version);
-        match ep.client().generate(call).await {
+        match generate(ep, call).await {
             Ok(resp) => Ok(Upstream {
                 stream: resp.into_inner(),
                 guard,
@@ -247,6 +248,22 @@ impl Attempts {
             }
         }
     }
+}
+
+/// `Worker.Generate` on `ep`'s channel, as its generated client calls it but
+/// with the stream read as [`WorkerMessage`]s.
+async fn generate(
+    ep: &Endpoint,
+    mut call: tonic::Request<WorkerGenerateRequest>,
+) -> Result<tonic::Response<Streaming<WorkerMessage>>, Status> {
+    let mut grpc = tonic::client::Grpc::new(ep.channel.clone());
+    grpc.ready()
+        .await
+        .map_err(|e| Status::unknown(format!("Service was not ready: {e}")))?;
+    call.extensions_mut()
+        .insert(tonic::GrpcMethod::new("tokenmesh.v1.Worker", "Generate"));
+    let path = http::uri::PathAndQuery::from_static("/tokenmesh.v1.Worker/Generate");
+    grpc.server_streaming(call, path, WorkerCodec).await
 }
 
 /// Candidates listed one by one on the `route` span; past this many the

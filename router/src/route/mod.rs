@@ -13,7 +13,8 @@
 //!    [`failover`] continues the stream on another worker;
 //! 6. [`failover`] also drops the upstream stream when the client leaves or
 //!    its deadline passes; [`meter`] records the stream's metrics; [`pump`]
-//!    runs the relay inside the client's stream, in the task that sends it.
+//!    runs the relay inside the client's stream, in the task that sends it;
+//!    [`wire`] keeps the worker's `Delta`s encoded on the way through.
 //!
 //! [`Router::route`] runs the steps; the gRPC service in `server.rs` and the
 //! OpenAI-compatible HTTP API in `openai/` only turn a request into an
@@ -26,6 +27,7 @@ pub mod p2c;
 pub mod pump;
 pub mod retry_budget;
 pub mod version;
+pub mod wire;
 
 use crate::admission::Admission;
 use crate::errors::RouterError;
@@ -97,9 +99,40 @@ pub struct Incoming {
     pub api: Api,
 }
 
-/// The client's messages, numbered, across failovers: the relay runs as the
-/// stream is read.
-pub type ClientMessages = pump::Pump<Result<GenerateResponse, Status>>;
+/// The client's messages, numbered, across failovers, as they go out: the
+/// relay runs as the stream is read.
+pub type ClientEvents = pump::Pump<Result<wire::Outgoing, Status>>;
+
+/// The client's messages, numbered, across failovers, decoded: a stream of
+/// `GenerateResponse`s. The gRPC edge writes the [`ClientEvents`] within
+/// ([`ClientMessages::encoded`]) without decoding the worker's `Delta`s.
+pub struct ClientMessages(ClientEvents);
+
+impl ClientMessages {
+    /// The messages as they go out, `Delta`s in the worker's encoding.
+    pub fn encoded(self) -> ClientEvents {
+        self.0
+    }
+}
+
+impl From<ClientEvents> for ClientMessages {
+    fn from(events: ClientEvents) -> Self {
+        Self(events)
+    }
+}
+
+impl futures::Stream for ClientMessages {
+    type Item = Result<GenerateResponse, Status>;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        std::pin::Pin::new(&mut self.0)
+            .poll_next(cx)
+            .map(|m| m.map(|m| m.and_then(wire::Outgoing::into_message)))
+    }
+}
 
 /// A request routed to its first worker; the stream carries it on.
 pub struct Routed {
@@ -251,7 +284,7 @@ impl Router {
             span: span.clone(),
             api: incoming.api,
         };
-        let stream = pump::Pump::new(|out| failover::run(ctx, upstream, out));
+        let stream = ClientMessages(pump::Pump::new(|out| failover::run(ctx, upstream, out)));
         Ok(Routed {
             version: choice.version,
             worker_id,
