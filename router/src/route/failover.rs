@@ -161,7 +161,8 @@ async fn relay(
             }
         };
         match event {
-            Some(Event::Accepted(_)) | None => {}
+            Some(Event::Accepted(a)) => upstream.guard.endpoint().note_load(a.load.as_ref(), false),
+            None => {}
             Some(Event::Delta(d)) => {
                 if client.emitted.is_empty() && !d.token_ids.is_empty() {
                     upstream.attempt.first_token(ctx.started.elapsed());
@@ -175,6 +176,11 @@ async fn relay(
                 // a CANCELLED (the worker's Abort) or KV_CACHE_FULL one too:
                 // neither is a failure another worker could mend.
                 client.meter.code = tonic::Code::Ok;
+                // The worker's load is for this router, not the client.
+                upstream
+                    .guard
+                    .endpoint()
+                    .note_load(f.load.take().as_ref(), true);
                 if let Some(u) = &f.usage {
                     ctx.attempts.affinity().finished(u.prompt_tokens);
                 }
