@@ -489,7 +489,7 @@ def plot(runs, out_dir):
     fig.tight_layout()
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "fleet_scale.png")
-    fig.savefig(path, dpi=80)
+    fig.savefig(path, dpi=60)
     print(f"plot in {path}")
     return path
 

@@ -650,10 +650,27 @@ async fn each_worker_version_autoscales_on_series_its_workers_export() {
         synthetic_tokens_per_sec: Some(100.0),
         ..WorkerOpts::new("w-metrics")
     };
-    let _worker = WorkerProc::start(opts, dir.path())
+    let worker = WorkerProc::start(opts, dir.path())
         .await
         .expect("worker starts");
-    // The worker publishes its gauges from its engine loop's first turn.
+    // The worker publishes its engine's gauges once its loop has turned:
+    // one request makes it.
+    let mut wc = worker.client().await;
+    let call = tokenmesh_proto::v1::WorkerGenerateRequest {
+        request: Some(tokenmesh_tests::prompt_request("scale", 2)),
+        ..Default::default()
+    };
+    let mut stream = wc
+        .generate(call)
+        .await
+        .expect("the worker serves")
+        .into_inner();
+    while stream
+        .message()
+        .await
+        .expect("the stream ends well")
+        .is_some()
+    {}
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     let series = loop {
         let series = exported(&scrape_text(&metrics).await.unwrap_or_default());

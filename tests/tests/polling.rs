@@ -63,19 +63,19 @@ async fn fleet(
 #[tokio::test(flavor = "multi_thread")]
 async fn a_fleet_past_the_budget_is_polled_at_the_budget_not_per_worker() {
     let dir = tempfile::tempdir().unwrap();
-    // 40 endpoints at a 100 ms base interval would be 400 polls/s; the
-    // budget of 40/s stretches each one's interval to 1 s.
-    let flags = ["--status-interval-ms", "100", "--status-poll-budget", "40"];
+    // 40 endpoints at the harness's 200 ms base interval would be 200
+    // polls/s; the budget of 20/s stretches each one's interval to 2 s.
+    let flags = ["--status-poll-budget", "20"];
     let (_router, _worker, metrics) = fleet(dir.path(), 40, &flags).await;
     let rate = poll_rate(&metrics, Duration::from_secs(3)).await;
     assert!(
-        (20.0..=60.0).contains(&rate),
-        "{rate:.1} polls/s for 40 workers under a budget of 40/s"
+        (10.0..=30.0).contains(&rate),
+        "{rate:.1} polls/s for 40 workers under a budget of 20/s"
     );
 
-    // The same fleet with no budget: every endpoint every 100 ms.
+    // The same fleet with no budget: every endpoint every 200 ms.
     let dir = tempfile::tempdir().unwrap();
-    let flags = ["--status-interval-ms", "100", "--status-poll-budget", "0"];
+    let flags = ["--status-poll-budget", "0"];
     let (_router, _worker, metrics) = fleet(dir.path(), 40, &flags).await;
     let unlimited = poll_rate(&metrics, Duration::from_secs(3)).await;
     assert!(
@@ -88,17 +88,13 @@ async fn a_fleet_past_the_budget_is_polled_at_the_budget_not_per_worker() {
 async fn a_worker_whose_streams_report_its_load_is_not_polled_meanwhile() {
     let dir = tempfile::tempdir().unwrap();
     let router_metrics = format!("127.0.0.1:{}", free_port());
-    let flags = [
-        "--status-interval-ms",
-        "300",
-        "--metrics-listen",
-        &router_metrics,
-    ];
+    // The harness's routers poll every 200 ms.
+    let flags = ["--metrics-listen", router_metrics.as_str()];
     let (router, _worker, metrics) = fleet(dir.path(), 1, &flags).await;
 
-    // Idle: polled every 300 ms, about 3.3 a second.
+    // Idle: polled every 200 ms, about 5 a second.
     let idle = poll_rate(&metrics, Duration::from_secs(2)).await;
-    assert!(idle >= 2.0, "{idle:.1} polls/s while idle");
+    assert!(idle >= 3.0, "{idle:.1} polls/s while idle");
 
     // Busy: a stream ends every few milliseconds, each Finished an answer.
     let client = router.client().await;
