@@ -18,11 +18,16 @@ to the first request routed to it (a Generate pinned to a version only that
 worker serves, retried every 2 ms); the time from a deregistration (key
 deleted) and from a SIGKILL of a worker process until the router no longer
 lists the worker as ready; router RSS and CPU at rest; the Status polls the
-workers answer per second (their llm_status_requests_total); etcd's gRPC
+workers answer per second (their llm_status_requests_total) and those each
+router makes and puts off (its llm_router_status_polls_total), at rest and
+under load (--load-clients streams per router, --load-s seconds); etcd's gRPC
 traffic by method.
 
 Usage: fleet_scale.py --bin target/release --sizes 100,500,1000 --routers 4
-Prints a table and writes JSON to --out.
+           [--status-poll-budget B] [--label after] [--plot-dir DIR [--compare old.json]]
+       fleet_scale.py --plot-only a.json b.json --plot-dir DIR
+Prints a table and writes JSON to --out; with --plot-dir, a PNG of each
+figure against N (needs matplotlib; without it the plot is skipped, saying so).
 """
 import argparse
 import base64
@@ -231,9 +236,12 @@ class Mesh:
         threading.Thread(target=self.keep_alive, daemon=True).start()
         router = os.path.join(args.bin, "tokenmesh-router")
         self.routers = []
+        budget = [] if args.status_poll_budget is None else [
+            "--status-poll-budget", str(args.status_poll_budget)]
         for i in range(args.routers):
             r = Proc(self.tmp, f"router-{i}", [router, "--insecure", "--etcd", self.etcd.url,
-                                                "--router-id", f"router-{i}"], probe="/healthz")
+                                                "--router-id", f"router-{i}", *budget],
+                     probe="/healthz")
             self.procs.append(r)
             r.stub = pb_grpc.InferenceStub(grpc.insecure_channel(r.addr))
             self.routers.append(r)
@@ -283,16 +291,53 @@ class Mesh:
             "etcd_sent_bytes_per_registration": round((e1.get(sent, 0) - e0.get(sent, 0)) / added, 1),
         }
 
-    def rest(self, seconds):
-        """Router RSS and CPU, Status polls answered and etcd traffic over a
-        window with no requests."""
-        polls = lambda: sum(v for w in self.workers for k, v in scrape(w.metrics_url()).items()
-                            if k.startswith("llm_status_requests_total"))
+    def polls(self):
+        """Status calls answered by all worker processes; per router, the
+        polls it made and those it put off (in-band load was fresh)."""
+        answered = sum(v for w in self.workers for k, v in scrape(w.metrics_url()).items()
+                       if k.startswith("llm_status_requests_total"))
+        made, deferred = [], []
+        for r in self.routers:
+            m = scrape(r.metrics_url())
+            made.append(sum(v for k, v in m.items() if k.startswith("llm_router_status_polls_total")
+                            and 'outcome="deferred"' not in k))
+            deferred.append(sum(v for k, v in m.items()
+                                if k.startswith("llm_router_status_polls_total")
+                                and 'outcome="deferred"' in k))
+        return answered, made, deferred
+
+    def rest(self, seconds, load_clients=0):
+        """Router RSS and CPU, Status polls answered and made and etcd
+        traffic over a window, with no requests or with `load_clients`
+        streams per router kept going."""
         cpu0 = [r.cpu_s() for r in self.routers]
-        p0, e0, t0 = polls(), self.etcd.metrics(), time.monotonic()
+        (a0, m0, d0), e0, t0 = self.polls(), self.etcd.metrics(), time.monotonic()
+        stop, served = threading.Event(), [0] * (load_clients * len(self.routers))
+
+        def client(i, r):
+            k = 0
+            while not stop.is_set():
+                # A prompt of its own each time: identical ones would all go
+                # to the one worker the cache-aware choice prefers for them.
+                k += 1
+                req = self.pb.GenerateRequest(model=MODEL, prompt=f"fleet {i} {k}", max_tokens=4)
+                try:
+                    for _ in r.stub.Generate(req, timeout=10):
+                        pass
+                    served[i] += 1
+                except self.grpc.RpcError:
+                    pass
+
+        threads = [threading.Thread(target=client, args=(i, r))
+                   for i, r in enumerate(self.routers * load_clients)]
+        for t in threads:
+            t.start()
         time.sleep(seconds)  # the measurement window itself, not a wait for readiness
+        stop.set()
+        for t in threads:
+            t.join()
         cpu1 = [r.cpu_s() for r in self.routers]
-        p1, e1, dt = polls(), self.etcd.metrics(), time.monotonic() - t0
+        (a1, m1, d1), e1, dt = self.polls(), self.etcd.metrics(), time.monotonic() - t0
         etcd = {}
         for k, v in e1.items():
             if k.startswith(("grpc_server_msg_received_total", "grpc_server_msg_sent_total")):
@@ -302,14 +347,19 @@ class Mesh:
                     kind = "recv" if "received" in k else "sent"
                     etcd[f"{m}.{kind}"] = round(etcd.get(f"{m}.{kind}", 0) + rate, 2)
         sent = "etcd_network_client_grpc_sent_bytes_total"
-        return {
+        out = {
             "router_rss_mib": [round(r.rss_mib(), 1) for r in self.routers],
             "router_cpu_pct": [round(100 * (b - a) / dt, 2) for a, b in zip(cpu0, cpu1)],
-            "status_rpcs_per_s_all_workers": round((p1 - p0) / dt, 1),
-            "status_rpcs_per_s_per_router": round((p1 - p0) / dt / len(self.routers), 1),
+            "status_rpcs_per_s_all_workers": round((a1 - a0) / dt, 1),
+            "status_rpcs_per_s_per_router": round((a1 - a0) / dt / len(self.routers), 1),
+            "router_polls_per_s": [round((b - a) / dt, 1) for a, b in zip(m0, m1)],
+            "router_polls_deferred_per_s": [round((b - a) / dt, 1) for a, b in zip(d0, d1)],
             "etcd_msgs_per_s": etcd,
             "etcd_sent_bytes_per_s": round((e1.get(sent, 0) - e0.get(sent, 0)) / dt, 1),
         }
+        if load_clients:
+            out["requests_per_s"] = round(sum(served) / dt, 1)
+        return out
 
     def on_every_router(self, until):
         """Per router, seconds from now until `until(router)` holds (checked
@@ -385,6 +435,71 @@ class Mesh:
             self.etcd.stop()
 
 
+FIGURES = [
+    # (title, unit, how to read one row: a number or None)
+    ("join → first routed, p50", "ms", lambda r: r["join_to_first_routed_ms"]["p50"]),
+    ("join → first routed, p99", "ms", lambda r: r["join_to_first_routed_ms"]["p99"]),
+    ("deregistered → unready, p50", "ms", lambda r: r["deregistered_to_unready_ms"]["p50"]),
+    ("killed → unready, p50", "ms", lambda r: r["killed_to_unready_ms"]["p50"]),
+    ("router RSS (mean of routers)", "MiB", lambda r: sum(r["router_rss_mib"]) / len(r["router_rss_mib"])),
+    ("router CPU at rest (mean)", "% of a core", lambda r: sum(r["router_cpu_pct"]) / len(r["router_cpu_pct"])),
+    ("Status RPCs/s per router, at rest", "RPCs/s", lambda r: r["status_rpcs_per_s_per_router"]),
+    ("Status RPCs/s per router, under load", "RPCs/s",
+     lambda r: r["loaded"]["status_rpcs_per_s_per_router"] if "loaded" in r else None),
+    ("Status RPCs/s on each registration, at rest", "RPCs/s",
+     lambda r: r["status_rpcs_per_s_all_workers"] / r["n"]),
+    ("etcd watch msgs per registration", "messages", lambda r: r["watch_msgs_per_registration"]),
+    ("converge (register N, all routers ready)", "s", lambda r: r["converge_s"]),
+    ("etcd sent bytes/s at rest", "bytes/s", lambda r: r["etcd_sent_bytes_per_s"]),
+]
+
+
+def plot(runs, out_dir):
+    """One PNG, a panel per figure against N, a line per run ((label,
+    results) pairs). Skipped, saying so, without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib into a venv of your own)")
+        return None
+    cols = 4
+    rows = -(-len(FIGURES) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
+    for ax, (title, unit, get) in zip(axes.flat, FIGURES):
+        for label, res in runs:
+            pts = [(r["n"], get(r)) for r in res["sizes"]]
+            pts = [(n, y) for n, y in pts if y is not None]
+            if pts:
+                ax.plot([n for n, _ in pts], [y for _, y in pts], marker="o", label=label)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("registered workers N", fontsize=8)
+        ax.set_ylabel(unit, fontsize=8)
+        ax.set_ylim(bottom=0)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+        if len(runs) > 1:
+            ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(FIGURES):]:
+        ax.axis("off")
+    meta = runs[-1][1]
+    fig.suptitle(f"tokenmesh fleet scale, simulated: {meta['routers']} routers, "
+                 f"{meta['worker_procs']} worker processes, real etcd", fontsize=11)
+    fig.tight_layout()
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "fleet_scale.png")
+    fig.savefig(path, dpi=60)
+    print(f"plot in {path}")
+    return path
+
+
+def labelled(path):
+    with open(path) as f:
+        res = json.load(f)
+    return res.get("label") or os.path.basename(path), res
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bin", default="target/release", help="folder of the release binaries")
@@ -393,20 +508,33 @@ def main():
     ap.add_argument("--worker-procs", type=int, default=4, help="synthetic worker processes")
     ap.add_argument("--probes", type=int, default=10, help="join/leave probes per size")
     ap.add_argument("--rest-s", type=float, default=10.0, help="measurement window at rest")
+    ap.add_argument("--load-s", type=float, default=10.0, help="measurement window under load (0: none)")
+    ap.add_argument("--load-clients", type=int, default=4, help="streams kept going per router")
     ap.add_argument("--lease-ttl", type=int, default=10)
+    ap.add_argument("--status-poll-budget", type=float, default=None,
+                    help="the routers' --status-poll-budget (default: the router's own)")
+    ap.add_argument("--label", default="", help="names this run in plots")
     ap.add_argument("--out", default="target/fleet_scale.json")
+    ap.add_argument("--plot-dir", help="write fleet_scale.png here")
+    ap.add_argument("--compare", action="append", default=[], metavar="JSON",
+                    help="an earlier run's results, drawn beside this one")
+    ap.add_argument("--plot-only", nargs="+", metavar="JSON", help="plot these results; run nothing")
     args = ap.parse_args()
+    if args.plot_only:
+        plot([labelled(p) for p in args.plot_only], args.plot_dir or ".")
+        return
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     stub_dir, pb, pb_grpc = stubs(repo)
     mesh = Mesh(args, pb, pb_grpc)
-    results = {"routers": args.routers, "worker_procs": args.worker_procs,
-               "status_interval_ms": 1000, "cpus": os.cpu_count(),
-               "loadavg_start": os.getloadavg(), "sizes": []}
+    results = {"label": args.label, "routers": args.routers, "worker_procs": args.worker_procs,
+               "status_interval_ms": 1000, "status_poll_budget": args.status_poll_budget,
+               "cpus": os.cpu_count(), "loadavg_start": os.getloadavg(), "sizes": []}
     try:
         results["baseline"] = mesh.rest(args.rest_s)
         for n in [int(s) for s in args.sizes.split(",")]:
             converge, churn = mesh.grow(n)
             rest = mesh.rest(args.rest_s)
+            loaded = mesh.rest(args.load_s, args.load_clients) if args.load_s > 0 else None
             first, gone, puts = [], [], []
             for k in range(args.probes):
                 f, g, p = mesh.probe_join_leave(n, k)
@@ -431,6 +559,8 @@ def main():
                 "etcd_put_ms_p50": round(1e3 * pct(puts, .5), 2),
                 "loadavg": os.getloadavg(),
             }
+            if loaded:
+                row["loaded"] = loaded
             results["sizes"].append(row)
             print(json.dumps(row), flush=True)
     finally:
@@ -440,6 +570,8 @@ def main():
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     print(f"logs in {mesh.tmp}; results in {args.out}")
+    if args.plot_dir:
+        plot([labelled(p) for p in args.compare] + [(args.label or "this run", results)], args.plot_dir)
 
 
 if __name__ == "__main__":

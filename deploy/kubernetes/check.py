@@ -6,7 +6,8 @@
 Core kinds are checked, strictly (an unknown field is an error), against the
 Kubernetes OpenAPI schemas that `kubernetes-validate` (PyPI) ships. Its
 schemas hold no custom resources, so ServiceMonitor, PrometheusRule,
-cert-manager's Issuer and Certificate are checked against the structural
+cert-manager's Issuer and Certificate and KEDA's ScaledObject are checked
+against the structural
 schemas below: written here from those projects' documented fields, covering
 what render.py emits, with unknown fields refused. They are not the upstream
 CRDs' own schemas. Prints one line per object; exits 1 on any error.
@@ -85,6 +86,48 @@ SCHEMAS = {
                 }
             },
             ["groups"],
+        )
+    ),
+    ("keda.sh/v1alpha1", "ScaledObject"): crd(
+        obj(
+            {
+                "scaleTargetRef": obj(
+                    {"apiVersion": S, "kind": {"enum": ["Deployment", "StatefulSet"]}, "name": S}, ["name"]
+                ),
+                "minReplicaCount": {"type": "integer", "minimum": 0},
+                "maxReplicaCount": {"type": "integer", "minimum": 1},
+                "pollingInterval": {"type": "integer", "minimum": 1},
+                "cooldownPeriod": {"type": "integer", "minimum": 0},
+                "advanced": obj(
+                    {
+                        "horizontalPodAutoscalerConfig": obj(
+                            # The HPA's own behavior field, as autoscaling/v2 has it.
+                            {"behavior": {"type": "object"}, "name": S}
+                        )
+                    }
+                ),
+                "triggers": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": obj(
+                        {
+                            "type": {"const": "prometheus"},
+                            "metricType": {"enum": ["AverageValue", "Value", "Utilization"]},
+                            "metadata": obj(
+                                {
+                                    "serverAddress": {"type": "string", "pattern": "^https?://"},
+                                    "query": S,
+                                    "threshold": {"type": "string", "pattern": "^[0-9]+(\\.[0-9]+)?$"},
+                                    "activationThreshold": {"type": "string"},
+                                },
+                                ["serverAddress", "query", "threshold"],
+                            ),
+                        },
+                        ["type", "metadata"],
+                    ),
+                },
+            },
+            ["scaleTargetRef", "triggers"],
         )
     ),
     ("cert-manager.io/v1", "Issuer"): crd(

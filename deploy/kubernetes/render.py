@@ -57,6 +57,8 @@ def load_values(path, overrides):
         node[parts[-1]] = yaml.safe_load(raw)
     if values["tls"]["issuer"] not in ("job", "cert-manager"):
         raise ValuesError("tls.issuer: job or cert-manager")
+    if values["autoscaling"]["engine"] not in ("hpa", "keda"):
+        raise ValuesError("autoscaling.engine: hpa or keda")
     versions = [w["version"] for w in values["workers"]]
     if len(set(versions)) != len(versions):
         raise ValuesError(f"workers: each version once, got {versions}")
@@ -443,27 +445,67 @@ def worker(v, w):
         deployment(name, v, "worker", w["replicas"], spec, labels),
         pdb(name, v, "worker", labels, max_unavailable=1),
     ]
-    a = w["autoscale"]
-    out.append(
-        {
-            "apiVersion": "autoscaling/v2",
-            "kind": "HorizontalPodAutoscaler",
-            "metadata": meta(name, v, "worker", labels),
-            "spec": {
-                "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
-                "minReplicas": a["min"],
-                "maxReplicas": a["max"],
-                # Per-pod series through the Prometheus adapter (its rules:
-                # the tokenmesh-prometheus-adapter ConfigMap).
-                "metrics": [
-                    pods_metric("llm_queue_depth", str(a["queueDepth"])),
-                    pods_metric("llm_kv_cache_usage_ratio", f"{int(a['kvUsage'] * 1000)}m"),
-                ],
-                "behavior": {"scaleDown": {"stabilizationWindowSeconds": 300}},
-            },
-        }
-    )
+    out.append(keda_scaled_object(v, w, name, labels) if v["autoscaling"]["engine"] == "keda" else hpa(v, w, name, labels))
     return out
+
+
+def hpa(v, w, name, labels):
+    a = w["autoscale"]
+    return {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": meta(name, v, "worker", labels),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+            "minReplicas": a["min"],
+            "maxReplicas": a["max"],
+            # Per-pod series through the Prometheus adapter (its rules:
+            # the tokenmesh-prometheus-adapter ConfigMap).
+            "metrics": [
+                pods_metric("llm_queue_depth", str(a["queueDepth"])),
+                pods_metric("llm_kv_cache_usage_ratio", f"{int(a['kvUsage'] * 1000)}m"),
+            ],
+            "behavior": {"scaleDown": {"stabilizationWindowSeconds": 300}},
+        },
+    }
+
+
+def keda_scaled_object(v, w, name, labels):
+    """A KEDA ScaledObject for one worker Deployment: a Prometheus trigger on
+    the version's waiting requests (the worker's llm_queue_depth, summed over
+    its pods and priorities; job="worker" is the worker ServiceMonitor's
+    jobLabel), one replica per `queueDepth` of them (AverageValue)."""
+    a, k = w["autoscale"], v["autoscaling"]
+    query = f'sum(llm_queue_depth{{job="worker",namespace="{v["namespace"]}",version="{w["version"]}"}})'
+    return {
+        "apiVersion": "keda.sh/v1alpha1",
+        "kind": "ScaledObject",
+        "metadata": meta(name, v, "worker", labels),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+            "minReplicaCount": a["min"],
+            "maxReplicaCount": a["max"],
+            "pollingInterval": k["pollingIntervalS"],
+            "cooldownPeriod": k["cooldownPeriodS"],
+            "advanced": {
+                "horizontalPodAutoscalerConfig": {
+                    "behavior": {"scaleDown": {"stabilizationWindowSeconds": 300}},
+                },
+            },
+            "triggers": [
+                {
+                    "type": "prometheus",
+                    "metricType": "AverageValue",
+                    "metadata": {
+                        "serverAddress": k["prometheusUrl"],
+                        "query": query,
+                        # KEDA's trigger metadata are strings.
+                        "threshold": str(a["queueDepth"]),
+                    },
+                }
+            ],
+        },
+    }
 
 
 def pods_metric(name, average):
@@ -766,14 +808,16 @@ def monitoring(v):
             for name in ("llm_queue_depth", "llm_kv_cache_usage_ratio", "llm_active_streams")
         ]
     }
-    out.append(
-        {
-            "apiVersion": "v1",
-            "kind": "ConfigMap",
-            "metadata": meta("tokenmesh-prometheus-adapter", v, "monitoring"),
-            "data": {"config.yaml": yaml.safe_dump(rules, sort_keys=False)},
-        }
-    )
+    if v["autoscaling"]["engine"] == "hpa":
+        # KEDA asks Prometheus itself; only the HPAs need the adapter.
+        out.append(
+            {
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "metadata": meta("tokenmesh-prometheus-adapter", v, "monitoring"),
+                "data": {"config.yaml": yaml.safe_dump(rules, sort_keys=False)},
+            }
+        )
     return out
 
 

@@ -149,12 +149,16 @@ pub const TTFT_BUCKETS_MS: &[f64] = &[
 /// What one router saw of one model version,
 /// `stats/{router_id}/{model}/{version}`, kept under the router's lease.
 ///
-/// Counters are cumulative since the router started (`started_at_ms`), so a
-/// reader takes the difference between two reads of the same router
-/// incarnation; a new `started_at_ms` means the counters restarted from zero.
+/// Counters are cumulative since `started_at_ms`, so a reader takes the
+/// difference between two reads of the same router incarnation
+/// (`router_id@started_at_ms`); a new `started_at_ms` means the counters
+/// restarted from zero: the router restarted, or dropped the version's
+/// counters while it was idle and unregistered and then saw it again.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, Default)]
 pub struct StatsRecord {
-    /// Unix milliseconds when this router process started.
+    /// Unix milliseconds when these counters began: when the router first
+    /// counted an attempt on the version (the router's start for a version
+    /// it has only seen workers of).
     pub started_at_ms: u64,
     /// Unix milliseconds of this snapshot.
     pub updated_at_ms: u64,

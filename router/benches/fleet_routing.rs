@@ -70,6 +70,7 @@ fn fleet(rt: &tokio::runtime::Runtime, n: usize, addr: &str) -> Arc<Registry> {
                 keepalive_timeout: Duration::from_secs(10),
                 connect_timeout: Duration::from_secs(5),
                 status_interval: Duration::from_secs(3_600),
+                status_poll_budget: None,
             },
             None,
         );

@@ -25,6 +25,7 @@ fn workers(rt: &tokio::runtime::Runtime, n: usize) -> (Arc<Registry>, Vec<Arc<En
             keepalive_timeout: Duration::from_secs(10),
             connect_timeout: Duration::from_secs(1),
             status_interval: Duration::from_secs(3600),
+            status_poll_budget: None,
         },
         None,
     );

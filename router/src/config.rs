@@ -29,6 +29,17 @@ pub struct RouterConfig {
     )]
     pub stats_interval_ms: u64,
 
+    /// How long the published stats of a version outlive its last request
+    /// once no worker of it is registered and no policy names it, in
+    /// seconds; then its key is deleted and its counters dropped.
+    #[arg(
+        long,
+        env = "TOKENMESH_STATS_RETENTION_S",
+        default_value_t = 600,
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
+    pub stats_retention_s: u64,
+
     /// Static discovery: a TOML file listing workers and traffic policies
     /// (instead of --etcd).
     #[arg(
@@ -55,9 +66,22 @@ pub struct RouterConfig {
     #[arg(long, env = "TOKENMESH_CONNECT_TIMEOUT_MS", default_value_t = 2_000)]
     pub connect_timeout_ms: u64,
 
-    /// How often each worker's Status (load, draining) is polled, in milliseconds.
+    /// How often each worker's Status (load, draining) is polled at most,
+    /// in milliseconds; longer in a fleet past --status-poll-budget.
     #[arg(long, env = "TOKENMESH_STATUS_INTERVAL_MS", default_value_t = 1_000)]
     pub status_interval_ms: u64,
+
+    /// Status polls per second this router spends on all its workers
+    /// together: with N workers each is polled every
+    /// max(--status-interval-ms, N / budget), and not while its streams
+    /// report its load in-band. 0: no limit.
+    #[arg(
+        long,
+        env = "TOKENMESH_STATUS_POLL_BUDGET",
+        default_value_t = DEFAULT_STATUS_POLL_BUDGET,
+        value_parser = parse_budget
+    )]
+    pub status_poll_budget: f64,
 
     /// Workers tried for one request before the first token.
     #[arg(long, env = "TOKENMESH_MAX_ATTEMPTS", default_value_t = 3)]
@@ -296,7 +320,24 @@ impl RouterConfig {
             keepalive_timeout: Duration::from_millis(self.keepalive_timeout_ms),
             connect_timeout: Duration::from_millis(self.connect_timeout_ms),
             status_interval: Duration::from_millis(self.status_interval_ms),
+            status_poll_budget: (self.status_poll_budget > 0.0).then_some(self.status_poll_budget),
         }
+    }
+}
+
+/// `--status-poll-budget`'s default: up to 200 workers are polled every
+/// second, as before; past them the interval grows (1,000 workers: 5 s).
+pub const DEFAULT_STATUS_POLL_BUDGET: f64 = 200.0;
+
+/// `--status-poll-budget`: a finite number of polls per second, 0 or more.
+fn parse_budget(s: &str) -> Result<f64, String> {
+    let budget: f64 = s.parse().map_err(|e| format!("{e}"))?;
+    if budget.is_finite() && budget >= 0.0 {
+        Ok(budget)
+    } else {
+        Err(format!(
+            "{budget} is not a number of polls per second, 0 or more"
+        ))
     }
 }
 
@@ -317,7 +358,10 @@ pub struct ChannelSettings {
     pub keepalive_interval: Duration,
     pub keepalive_timeout: Duration,
     pub connect_timeout: Duration,
+    /// The shortest interval between two Status polls of one worker.
     pub status_interval: Duration,
+    /// Status polls per second for all workers together; `None`: no limit.
+    pub status_poll_budget: Option<f64>,
 }
 
 #[cfg(test)]

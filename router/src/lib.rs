@@ -236,6 +236,7 @@ fn start_discovery(
             keys: cfg.server.keys(),
             router_id,
             interval: Duration::from_millis(cfg.stats_interval_ms),
+            retention: Duration::from_secs(cfg.stats_retention_s),
             tls: etcd_tls,
         },
         registry.stats().clone(),

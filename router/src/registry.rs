@@ -4,13 +4,15 @@
 use crate::config::ChannelSettings;
 use crate::stats::{Stats, WorkerViews};
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
+use std::time::Duration;
 use tokenmesh_certs::tls::{Identity, MeshTls, Role};
 use tokenmesh_proto::records::{PolicyRecord, WorkerRecord, WorkerView};
 use tokenmesh_proto::v1::worker_client::WorkerClient;
-use tokenmesh_proto::v1::StatusRequest;
+use tokenmesh_proto::v1::{StatusRequest, WorkerLoad};
 use tokio::sync::Notify;
+use tokio::time::Instant;
 use tonic::transport::{Channel, Endpoint as TonicEndpoint};
 
 /// One worker as the router sees it.
@@ -36,6 +38,17 @@ pub struct Endpoint {
     /// A `drain/{worker_id}` key asks every router to stop sending new
     /// streams here; streams already here continue.
     pub drain_requested: AtomicBool,
+    /// When the worker last answered, by a Status poll or in-band at the end
+    /// of a stream (milliseconds since `epoch`; 0: never): its next poll is
+    /// due one poll interval after this.
+    heard_at_ms: AtomicU64,
+    epoch: Instant,
+    /// The `llm_queue_depth` and `llm_endpoint_healthy` series, looked up
+    /// once: in-band reports set them once per stream.
+    queue_gauge: metrics::Gauge,
+    healthy_gauge: metrics::Gauge,
+    /// The registry's readiness watcher, woken when draining changes.
+    changes: Arc<Notify>,
     /// Dropped when the endpoint leaves the registry: stops its poller.
     _stop: tokio::sync::oneshot::Sender<()>,
 }
@@ -78,6 +91,110 @@ impl Endpoint {
     pub fn client(&self) -> WorkerClient<Channel> {
         WorkerClient::new(self.channel.clone())
     }
+
+    /// Takes the load a worker sent in-band on one of its streams
+    /// (`Accepted.load` as it starts, `Finished.load` as it ends), so that
+    /// traffic itself keeps a busy worker's load and draining fresh. A
+    /// `Finished` (`ended`) also proves the worker serves, and puts its next
+    /// Status poll off by a whole interval: a busy worker is seldom polled.
+    /// An `Accepted` does not, since a worker whose engine has failed still
+    /// accepts and then fails the stream, which only a poll reports.
+    pub fn note_load(&self, load: Option<&WorkerLoad>, ended: bool) {
+        let Some(load) = load else { return };
+        self.reported_queue
+            .store(load.queue_depth, Ordering::SeqCst);
+        self.queue_gauge.set(load.queue_depth as f64);
+        if self.draining.swap(load.draining, Ordering::SeqCst) != load.draining {
+            self.changes.notify_one();
+        }
+        if ended {
+            self.heard();
+        }
+    }
+
+    /// The worker answered now.
+    fn heard(&self) {
+        // At least 1: 0 means never.
+        let ms = self.epoch.elapsed().as_millis().max(1) as u64;
+        self.heard_at_ms.store(ms, Ordering::SeqCst);
+    }
+
+    /// How long ago the worker last answered, if it ever did.
+    fn heard_ago(&self, now: Instant) -> Option<Duration> {
+        match self.heard_at_ms.load(Ordering::SeqCst) {
+            0 => None,
+            ms => Some(now.saturating_duration_since(self.epoch + Duration::from_millis(ms))),
+        }
+    }
+}
+
+/// When Status polls happen (`--status-interval-ms`, `--status-poll-budget`).
+///
+/// Every router polls every worker it knows, so a fixed interval makes the
+/// fleet's poll load grow as routers × workers: 1,000 workers at 1 s are
+/// 1,000 polls a second per router. Instead each router spends at most a
+/// budget of polls per second across all its workers, each worker's
+/// interval is `max(base, workers / budget)`, jittered so that the polls
+/// spread evenly, and a worker that answered in-band (a stream ended) is not
+/// polled before a whole interval has passed since. The load of a busy
+/// worker comes from its streams; polls keep idle workers' health, draining
+/// and queue fresh, and HTTP/2 keepalive detects a dead connection between
+/// them (BENCHMARKS.md, "Fleet scale").
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PollPlan {
+    /// The shortest interval between two polls of one worker.
+    pub base: Duration,
+    /// Polls per second this router spends on all its workers together;
+    /// `None`: no limit, every worker is polled every `base`.
+    pub budget: Option<f64>,
+}
+
+/// A worker's interval varies by up to this fraction either way, so that
+/// polls registered together do not stay in step.
+pub const POLL_JITTER: f64 = 0.2;
+
+impl PollPlan {
+    /// The interval between two polls of one worker when `workers` are
+    /// registered.
+    pub fn interval(&self, workers: usize) -> Duration {
+        match self.budget {
+            Some(budget) if budget > 0.0 => self
+                .base
+                .max(Duration::from_secs_f64(workers as f64 / budget)),
+            _ => self.base,
+        }
+    }
+
+    /// The wait before a worker's next poll, `interval` scaled by `jitter`
+    /// (in `-1.0..=1.0`, drawn by the caller) times [`POLL_JITTER`]; after
+    /// `failures` failed polls in a row, shorter (`base` doubled per
+    /// failure, up to the interval), so that a worker that has just
+    /// registered, or just failed one poll, is retried soon without many
+    /// unanswering workers taking the whole budget.
+    pub fn wait(&self, interval: Duration, failures: u32, jitter: f64) -> Duration {
+        let interval = match failures {
+            0 => interval,
+            n => interval.min(self.base.saturating_mul(1 << (n - 1).min(20))),
+        };
+        interval.mul_f64(1.0 + POLL_JITTER * jitter.clamp(-1.0, 1.0))
+    }
+
+    /// When a worker last heard from `heard_ago` is next due, given the
+    /// `wait` after its last poll (`since_poll` ago): not before `wait` has
+    /// passed since both. `Duration::ZERO`: due now.
+    pub fn due_in(wait: Duration, since_poll: Duration, heard_ago: Option<Duration>) -> Duration {
+        let since = heard_ago.map_or(since_poll, |h| h.min(since_poll));
+        wait.saturating_sub(since)
+    }
+}
+
+/// What every poller of one registry shares.
+struct Polling {
+    plan: PollPlan,
+    /// Workers registered now, for [`PollPlan::interval`].
+    workers: AtomicUsize,
+    /// Woken whenever a worker may have become ready or unready.
+    changes: Arc<Notify>,
 }
 
 /// Counts one stream against an endpoint's load until dropped (that is, until
@@ -136,6 +253,7 @@ pub struct Registry {
     loaded: tokio::sync::watch::Sender<bool>,
     /// Woken whenever a worker may have become ready or unready.
     changes: Arc<Notify>,
+    polling: Arc<Polling>,
     /// Bumped after every change of the workers or policies: a [`View`]
     /// of an older generation is rebuilt before it is read.
     generation: AtomicU64,
@@ -154,6 +272,15 @@ pub struct BadAddress {
 impl Registry {
     /// An empty registry whose channels use `settings`.
     pub fn new(settings: ChannelSettings, tls: Option<MeshTls>) -> Arc<Self> {
+        let changes = Arc::new(Notify::new());
+        let polling = Arc::new(Polling {
+            plan: PollPlan {
+                base: settings.status_interval,
+                budget: settings.status_poll_budget,
+            },
+            workers: AtomicUsize::new(0),
+            changes: changes.clone(),
+        });
         Arc::new(Self {
             settings,
             tls,
@@ -162,7 +289,8 @@ impl Registry {
             drained: RwLock::new(HashSet::new()),
             stats: Arc::new(Stats::default()),
             loaded: tokio::sync::watch::channel(false).0,
-            changes: Arc::new(Notify::new()),
+            changes,
+            polling,
             generation: AtomicU64::new(0),
             view: RwLock::new(None),
         })
@@ -175,6 +303,15 @@ impl Registry {
     fn changed_view(&self) {
         self.generation.fetch_add(1, Ordering::SeqCst);
         *self.view.write().expect("registry lock") = None;
+        let workers = self.workers.read().expect("registry lock").len();
+        self.polling.workers.store(workers, Ordering::SeqCst);
+    }
+
+    /// How often each worker is polled now (before jitter).
+    pub fn poll_interval(&self) -> Duration {
+        self.polling
+            .plan
+            .interval(self.polling.workers.load(Ordering::SeqCst))
     }
 
     /// The current view, rebuilt if a change made it stale.
@@ -340,6 +477,11 @@ impl Registry {
             None => endpoint.connect_lazy(),
         };
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel();
+        let labels = [
+            ("model", model.to_string()),
+            ("version", version.to_string()),
+            ("worker", id.to_string()),
+        ];
         let ep = Arc::new(Endpoint {
             id: id.into(),
             model: model.into(),
@@ -352,13 +494,17 @@ impl Registry {
             unhealthy_spells: AtomicU32::new(0),
             draining: AtomicBool::new(false),
             drain_requested: AtomicBool::new(false),
+            heard_at_ms: AtomicU64::new(0),
+            epoch: Instant::now(),
+            queue_gauge: metrics::gauge!("llm_queue_depth", &labels),
+            healthy_gauge: metrics::gauge!("llm_endpoint_healthy", &labels),
+            changes: self.changes.clone(),
             _stop: stop_tx,
         });
         tokio::spawn(poll_status(
             Arc::downgrade(&ep),
-            s.status_interval,
+            self.polling.clone(),
             stop_rx,
-            self.changes.clone(),
         ));
         // Under the drain lock, so a drain request cannot slip between the
         // check and the insert.
@@ -477,6 +623,17 @@ impl WorkerViews for Registry {
         }
         out
     }
+
+    fn policy_versions(&self) -> std::collections::BTreeSet<(String, String)> {
+        let mut out = std::collections::BTreeSet::new();
+        for (model, p) in self.policies.read().expect("registry lock").iter() {
+            out.insert((model.clone(), p.stable.clone()));
+            if let Some(c) = &p.canary {
+                out.insert((model.clone(), c.version.clone()));
+            }
+        }
+        out
+    }
 }
 
 /// The URI tonic dials for a registered address. TLS towards workers is
@@ -505,37 +662,82 @@ pub fn dial_uri(addr: &str, tls: bool) -> Result<String, String> {
 }
 
 /// Polls a worker's Status until the endpoint is dropped: health, load and
-/// draining come from here. Each change of health is logged once, a worker
-/// that never answers included, with the error.
+/// draining come from here, and between polls from the worker's streams
+/// ([`Endpoint::note_load`]); when, [`PollPlan`] says. The first poll is at
+/// once, so a new worker is ready as soon as it answers. Each change of
+/// health is logged once, a worker that never answers included, with the
+/// error.
 async fn poll_status(
     ep: std::sync::Weak<Endpoint>,
-    every: std::time::Duration,
+    polling: Arc<Polling>,
     mut stop: tokio::sync::oneshot::Receiver<()>,
-    changes: Arc<Notify>,
 ) {
-    let mut tick = tokio::time::interval(every);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let plan = polling.plan;
+    // A poll may take a whole base interval (at least 500 ms), not the
+    // longer interval of a large fleet: a slow answer is a failed one.
+    let timeout = plan.base.max(Duration::from_millis(500));
+    let polls = |outcome: &'static str| metrics::counter!("llm_router_status_polls_total", "outcome" => outcome);
+    let (ok, failed, deferred) = (polls("ok"), polls("failed"), polls("deferred"));
     // What was last logged: None until the first poll has answered or failed.
     let mut logged: Option<bool> = None;
+    let mut failures = 0u32;
+    let mut polled_at: Option<Instant> = None;
     loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = &mut stop => return,
+        if let Some(at) = polled_at {
+            let interval = plan.interval(polling.workers.load(Ordering::SeqCst));
+            let wait = plan.wait(interval, failures, rand::random_range(-1.0..=1.0));
+            // Put off while the worker answers in-band; re-checked after
+            // each sleep, since a stream may have ended meanwhile. Each
+            // sleep past the poll's own time is one poll saved.
+            loop {
+                let (due_in, by_poll) = {
+                    let Some(ep) = ep.upgrade() else { return };
+                    let now = Instant::now();
+                    let heard = ep
+                        .healthy
+                        .load(Ordering::SeqCst)
+                        .then(|| ep.heard_ago(now))
+                        .flatten();
+                    let since_poll = now - at;
+                    (
+                        PollPlan::due_in(wait, since_poll, heard),
+                        wait.saturating_sub(since_poll),
+                    )
+                };
+                if due_in.is_zero() {
+                    break;
+                }
+                if by_poll.is_zero() {
+                    deferred.increment(1);
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(due_in) => {}
+                    _ = &mut stop => return,
+                }
+            }
         }
         let Some(ep) = ep.upgrade() else { return };
+        polled_at = Some(Instant::now());
         let mut client = ep.client();
         let mut req = tonic::Request::new(StatusRequest {});
-        req.set_timeout(every.max(std::time::Duration::from_millis(500)));
-        match client.status(req).await {
+        req.set_timeout(timeout);
+        let answer = tokio::select! {
+            a = client.status(req) => a,
+            _ = &mut stop => return,
+        };
+        match answer {
             Ok(resp) => {
+                ok.increment(1);
+                failures = 0;
                 let s = resp.into_inner();
-                metrics::gauge!("llm_queue_depth", &ep.labels()).set(s.queue_depth as f64);
-                metrics::gauge!("llm_endpoint_healthy", &ep.labels()).set(1.0);
+                ep.queue_gauge.set(s.queue_depth as f64);
+                ep.healthy_gauge.set(1.0);
                 ep.reported_queue.store(s.queue_depth, Ordering::SeqCst);
+                ep.heard();
                 let was_draining = ep.draining.swap(s.draining, Ordering::SeqCst);
                 let became_healthy = ep.set_healthy(true);
                 if became_healthy || was_draining != s.draining {
-                    changes.notify_one();
+                    polling.changes.notify_one();
                 }
                 if logged != Some(true) {
                     tracing::info!(worker = %ep.id, "worker healthy");
@@ -543,9 +745,11 @@ async fn poll_status(
                 }
             }
             Err(e) => {
-                metrics::gauge!("llm_endpoint_healthy", &ep.labels()).set(0.0);
+                failed.increment(1);
+                failures = failures.saturating_add(1);
+                ep.healthy_gauge.set(0.0);
                 if ep.set_healthy(false) {
-                    changes.notify_one();
+                    polling.changes.notify_one();
                 }
                 if logged != Some(false) {
                     tracing::warn!(
@@ -585,17 +789,20 @@ pub(crate) mod testing {
     use super::*;
     use std::time::Duration;
 
+    /// Channel settings with a status interval of an hour.
+    pub fn settings() -> ChannelSettings {
+        ChannelSettings {
+            keepalive_interval: Duration::from_secs(30),
+            keepalive_timeout: Duration::from_secs(10),
+            connect_timeout: Duration::from_secs(1),
+            status_interval: Duration::from_secs(3600),
+            status_poll_budget: None,
+        }
+    }
+
     /// An empty plaintext registry.
     pub fn registry() -> Arc<Registry> {
-        Registry::new(
-            ChannelSettings {
-                keepalive_interval: Duration::from_secs(30),
-                keepalive_timeout: Duration::from_secs(10),
-                connect_timeout: Duration::from_secs(1),
-                status_interval: Duration::from_secs(3600),
-            },
-            None,
-        )
+        Registry::new(settings(), None)
     }
 
     /// Adds worker `id` of `model`/`version`, healthy if `healthy`.
@@ -701,6 +908,130 @@ mod tests {
         assert!(!ep.ready());
         reg.set_drain("w1", false);
         assert!(ep.ready());
+    }
+
+    const MS: fn(u64) -> Duration = Duration::from_millis;
+
+    #[test]
+    fn the_poll_interval_grows_with_the_fleet_past_the_budget() {
+        let plan = PollPlan {
+            base: MS(1_000),
+            budget: Some(200.0),
+        };
+        // Up to budget × base workers, the base interval: as before.
+        assert_eq!(plan.interval(0), MS(1_000));
+        assert_eq!(plan.interval(200), MS(1_000));
+        // Past it, N / budget: the router's polls stay at the budget.
+        assert_eq!(plan.interval(500), MS(2_500));
+        assert_eq!(plan.interval(1_000), MS(5_000));
+        assert_eq!(plan.interval(10_000), MS(50_000));
+        for n in [300usize, 1_000, 10_000] {
+            let per_s = n as f64 / plan.interval(n).as_secs_f64();
+            assert!((per_s - 200.0).abs() < 1e-6, "{n} workers: {per_s} polls/s");
+        }
+        // No budget (0 or None): every worker at the base interval.
+        for budget in [None, Some(0.0)] {
+            let plan = PollPlan { budget, ..plan };
+            assert_eq!(plan.interval(10_000), MS(1_000));
+        }
+    }
+
+    #[test]
+    fn polls_are_jittered_and_retried_sooner_after_failures() {
+        let plan = PollPlan {
+            base: MS(1_000),
+            budget: Some(200.0),
+        };
+        let interval = plan.interval(1_000);
+        assert_eq!(plan.wait(interval, 0, 0.0), MS(5_000));
+        assert_eq!(plan.wait(interval, 0, 1.0), MS(6_000));
+        assert_eq!(plan.wait(interval, 0, -1.0), MS(4_000));
+        assert_eq!(plan.wait(interval, 0, 7.0), MS(6_000), "clamped");
+        // base, 2 base, 4 base, then the interval again.
+        let after: Vec<Duration> = (1..=5).map(|f| plan.wait(interval, f, 0.0)).collect();
+        assert_eq!(
+            after,
+            [MS(1_000), MS(2_000), MS(4_000), MS(5_000), MS(5_000)]
+        );
+        assert_eq!(plan.wait(interval, u32::MAX, 0.0), MS(5_000), "no overflow");
+    }
+
+    #[test]
+    fn an_in_band_answer_puts_the_next_poll_off() {
+        let wait = MS(5_000);
+        // Polled 5 s ago, never heard otherwise: due.
+        assert_eq!(PollPlan::due_in(wait, MS(5_000), None), Duration::ZERO);
+        assert_eq!(PollPlan::due_in(wait, MS(2_000), None), MS(3_000));
+        // A stream ended 1 s ago: due 5 s after that, not after the poll.
+        assert_eq!(
+            PollPlan::due_in(wait, MS(5_000), Some(MS(1_000))),
+            MS(4_000)
+        );
+        // Heard before the last poll: the poll counts.
+        assert_eq!(
+            PollPlan::due_in(wait, MS(1_000), Some(MS(3_000))),
+            MS(4_000)
+        );
+    }
+
+    #[tokio::test]
+    async fn in_band_load_updates_the_endpoint_and_only_an_end_counts_as_an_answer() {
+        let reg = registry();
+        let ep = add(&reg, "w1");
+        assert!(ep.heard_ago(Instant::now()).is_none());
+        // Polled: the worker's queue of 2 is its load.
+        ep.reported_queue.store(2, Ordering::SeqCst);
+        assert_eq!(ep.load(), 2);
+        ep.note_load(None, true);
+        assert_eq!(ep.load(), 2, "no report, no change");
+        assert!(ep.heard_ago(Instant::now()).is_none());
+
+        // Accepted: fresher load, but no proof the engine serves.
+        let load = |queue_depth, draining| WorkerLoad {
+            queue_depth,
+            active_sequences: 3,
+            draining,
+        };
+        let _stream = InFlight::new(ep.clone());
+        ep.note_load(Some(&load(5, false)), false);
+        assert_eq!(ep.load(), 6, "one stream in flight here, 5 queued there");
+        assert!(ep.heard_ago(Instant::now()).is_none());
+
+        // Finished: the load, and an answer that puts the poll off.
+        ep.note_load(Some(&load(0, false)), true);
+        assert_eq!(ep.load(), 1);
+        assert!(ep.heard_ago(Instant::now()).unwrap() < MS(1_000));
+
+        // A worker that starts draining says so in-band; readiness learns.
+        // (The add's wake-up is taken first; neither await yields to the
+        // poller, whose failing poll of port 9 would mark w1 unhealthy.)
+        reg.changed().await;
+        ep.note_load(Some(&load(0, true)), true);
+        assert!(!ep.ready() && ep.is_draining());
+        tokio::time::timeout(MS(1_000), reg.changed())
+            .await
+            .expect("draining is a change");
+        ep.note_load(Some(&load(0, false)), false);
+        assert!(ep.ready());
+    }
+
+    #[tokio::test]
+    async fn the_interval_follows_the_number_of_registered_workers() {
+        let reg = Registry::new(
+            ChannelSettings {
+                status_interval: MS(100),
+                status_poll_budget: Some(10.0),
+                ..testing::settings()
+            },
+            None,
+        );
+        assert_eq!(reg.poll_interval(), MS(100));
+        for i in 0..30 {
+            add(&reg, &format!("w{i}"));
+        }
+        assert_eq!(reg.poll_interval(), MS(3_000));
+        reg.retain_workers(&HashSet::from(["w1".to_string()]));
+        assert_eq!(reg.poll_interval(), MS(100));
     }
 
     #[tokio::test]

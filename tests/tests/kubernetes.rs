@@ -9,7 +9,9 @@
 //! documented; ports are DESIGN.md's and the binaries' defaults; every
 //! `TOKENMESH_*` variable is one the binary reads; a worker's version label
 //! is its `--model-version`; only routers reach workers and only operators
-//! the control plane; the PrometheusRule passes promtool.
+//! the control plane; the PrometheusRule passes promtool; each worker
+//! Deployment has one autoscaler (an HPA, or a KEDA ScaledObject), on series
+//! a real worker exports.
 //!
 //! Needs the test virtualenv's python (`TOKENMESH_PYTHON`, with PyYAML and
 //! kubernetes-validate: scripts/test.sh installs them), promtool, and the
@@ -63,6 +65,7 @@ const VARIANTS: &[(&str, &[&str])] = &[
         "external etcd",
         &["etcd.external=https://etcd-a:2379,https://etcd-b:2379"],
     ),
+    ("KEDA", &["autoscaling.engine=keda"]),
 ];
 
 fn render(sets: &[&str], format: &str) -> String {
@@ -584,4 +587,220 @@ fn a_workers_memory_covers_its_model_and_kv_budget() {
         checked += 1;
     }
     assert_eq!(checked, 2);
+}
+
+/// Series name → label names → values, of a scrape's text.
+fn exported(text: &str) -> BTreeMap<String, BTreeMap<String, BTreeSet<String>>> {
+    let mut out: BTreeMap<String, BTreeMap<String, BTreeSet<String>>> = BTreeMap::new();
+    let lines = text.lines().map(|l| Ok(l.to_string()));
+    for sample in prometheus_parse::Scrape::parse(lines).unwrap().samples {
+        let labels = out.entry(sample.metric).or_default();
+        for (k, v) in sample.labels.iter() {
+            labels.entry(k.clone()).or_default().insert(v.clone());
+        }
+    }
+    out
+}
+
+/// `name{k="v",...}` in a PromQL query: the metric and its matchers.
+fn selectors(query: &str) -> Vec<(String, BTreeMap<String, String>)> {
+    let mut out = Vec::new();
+    let mut rest = query;
+    while let Some(open) = rest.find('{') {
+        let name: String = rest[..open]
+            .chars()
+            .rev()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .collect();
+        let close = open + rest[open..].find('}').expect("a closed selector");
+        let matchers = rest[open + 1..close]
+            .split(',')
+            .map(|m| {
+                let (k, v) = m.split_once('=').expect("k=\"v\" matchers only");
+                (k.to_string(), v.trim_matches('"').to_string())
+            })
+            .collect();
+        out.push((name, matchers));
+        rest = &rest[close + 1..];
+    }
+    out
+}
+
+/// Every worker Deployment has exactly one autoscaler, an HPA or (with
+/// `autoscaling.engine=keda`) a KEDA ScaledObject, targeting it with the
+/// bounds of its values; each metric it reads is one a real worker of that
+/// version exports. ScaledObject is a custom resource: kubernetes-validate has
+/// no schema for it, so check.py holds a structural one (not KEDA's CRD) and
+/// its meaning is checked here.
+#[tokio::test(flavor = "multi_thread")]
+async fn each_worker_version_autoscales_on_series_its_workers_export() {
+    use tokenmesh_tests::{free_port, scrape_text, WorkerOpts, WorkerProc, MODEL};
+    let dir = tempfile::tempdir().unwrap();
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let opts = WorkerOpts {
+        extra: vec![
+            "--model-name".into(),
+            MODEL.into(),
+            "--metrics-listen".into(),
+            metrics.clone(),
+        ],
+        synthetic_tokens_per_sec: Some(100.0),
+        ..WorkerOpts::new("w-metrics")
+    };
+    let worker = WorkerProc::start(opts, dir.path())
+        .await
+        .expect("worker starts");
+    // The worker publishes its engine's gauges once its loop has turned:
+    // one request makes it.
+    let mut wc = worker.client().await;
+    let call = tokenmesh_proto::v1::WorkerGenerateRequest {
+        request: Some(tokenmesh_tests::prompt_request("scale", 2)),
+        ..Default::default()
+    };
+    let mut stream = wc
+        .generate(call)
+        .await
+        .expect("the worker serves")
+        .into_inner();
+    while stream
+        .message()
+        .await
+        .expect("the stream ends well")
+        .is_some()
+    {}
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let series = loop {
+        let series = exported(&scrape_text(&metrics).await.unwrap_or_default());
+        if series.contains_key("llm_queue_depth") || std::time::Instant::now() > deadline {
+            break series;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
+    assert!(
+        series.contains_key("llm_queue_depth"),
+        "the worker exports no llm_queue_depth: {series:?}"
+    );
+    // Its version label is its --model-version (v1 here).
+    assert!(
+        series["llm_queue_depth"]["version"].contains("v1"),
+        "{series:?}"
+    );
+
+    for (engine, sets, kind) in [
+        ("hpa", &[][..], "HorizontalPodAutoscaler"),
+        ("keda", &["autoscaling.engine=keda"][..], "ScaledObject"),
+    ] {
+        let objs = objects(sets);
+        let values = values_yaml();
+        let namespace = values["namespace"].as_str().unwrap();
+        let worker_job = objs
+            .iter()
+            .find(|o| {
+                s(o, "/kind") == "ServiceMonitor" && s(o, "/metadata/name") == "tokenmesh-worker"
+            })
+            .map(|o| s(o, "/spec/selector/matchLabels/tokenmesh.io~1job").to_string())
+            .expect("a worker ServiceMonitor");
+        let deployments: BTreeSet<String> = objs
+            .iter()
+            .filter(|o| {
+                s(o, "/kind") == "Deployment"
+                    && s(o, "/metadata/labels/app.kubernetes.io~1component") == "worker"
+            })
+            .map(|o| s(o, "/metadata/name").to_string())
+            .collect();
+        let scalers: Vec<&Value> = objs
+            .iter()
+            .filter(|o| matches!(s(o, "/kind"), "HorizontalPodAutoscaler" | "ScaledObject"))
+            .collect();
+        assert!(
+            scalers.iter().all(|o| s(o, "/kind") == kind),
+            "{engine}: only {kind}s"
+        );
+        let targets: BTreeSet<String> = scalers
+            .iter()
+            .map(|o| s(o, "/spec/scaleTargetRef/name").to_string())
+            .collect();
+        assert_eq!(
+            targets, deployments,
+            "{engine}: one autoscaler per worker Deployment"
+        );
+        assert_eq!(scalers.len(), deployments.len(), "{engine}");
+        for o in scalers {
+            let at = format!("{engine} {}", name(o));
+            assert_eq!(s(o, "/spec/scaleTargetRef/kind"), "Deployment", "{at}");
+            let version = s(o, "/metadata/labels/tokenmesh.io~1version");
+            let w = values["workers"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|w| w["version"] == version)
+                .unwrap();
+            let (min, max) = match kind {
+                "ScaledObject" => ("/spec/minReplicaCount", "/spec/maxReplicaCount"),
+                _ => ("/spec/minReplicas", "/spec/maxReplicas"),
+            };
+            assert_eq!(o.pointer(min), w.pointer("/autoscale/min"), "{at}");
+            assert_eq!(o.pointer(max), w.pointer("/autoscale/max"), "{at}");
+            if kind == "HorizontalPodAutoscaler" {
+                for m in list(&o["spec"], "metrics") {
+                    let metric = s(m, "/pods/metric/name");
+                    assert!(
+                        series.contains_key(metric),
+                        "{at}: the worker exports no {metric}"
+                    );
+                }
+                continue;
+            }
+            let triggers = list(&o["spec"], "triggers");
+            assert_eq!(triggers.len(), 1, "{at}");
+            let t = &triggers[0];
+            assert_eq!(s(t, "/type"), "prometheus", "{at}");
+            assert_eq!(
+                s(t, "/metadata/threshold"),
+                w["autoscale"]["queueDepth"].to_string(),
+                "{at}"
+            );
+            let query = s(t, "/metadata/query");
+            let sel = selectors(query);
+            assert_eq!(sel.len(), 1, "{at}: {query}");
+            let (metric, matchers) = &sel[0];
+            assert_eq!(metric, "llm_queue_depth", "{at}: {query}");
+            let labels = &series[metric.as_str()];
+            for (k, v) in matchers {
+                match k.as_str() {
+                    // Added by Prometheus: the ServiceMonitor's jobLabel and
+                    // the pod's namespace.
+                    "job" => assert_eq!(v, &worker_job, "{at}: {query}"),
+                    "namespace" => assert_eq!(v, namespace, "{at}: {query}"),
+                    // The worker's own label, the version it serves.
+                    "version" => {
+                        assert_eq!(v, version, "{at}: {query}");
+                        assert!(labels.contains_key("version"), "{at}: {labels:?}");
+                    }
+                    other => assert!(
+                        labels.contains_key(other),
+                        "{at}: no label {other} in {labels:?}"
+                    ),
+                }
+            }
+        }
+    }
+}
+
+/// values.yaml as JSON.
+fn values_yaml() -> Value {
+    let py = format!(
+        "import json, yaml; print(json.dumps(yaml.safe_load(open({:?}).read())))",
+        kube_dir().join("values.yaml").display().to_string()
+    );
+    let out = Command::new(python()).args(["-c", &py]).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
 }

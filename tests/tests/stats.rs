@@ -131,3 +131,70 @@ async fn stats_count_attempts_errors_and_ttft_per_version_and_go_with_the_router
         "the router's stats must go with it"
     );
 }
+
+/// Every stats record `router_id` published, by version.
+async fn published(etcd: &Etcd, router_id: &str) -> BTreeMap<String, StatsRecord> {
+    let keys = Keys::default();
+    let mut out = BTreeMap::new();
+    for (key, value, _) in etcd.get_prefix(&keys.stats_prefix()).await {
+        let (router, _, version) = keys.parse_stats(&key).expect("a stats key");
+        if router == router_id {
+            let record: StatsRecord = serde_json::from_str(&value).expect("a StatsRecord");
+            out.insert(version.to_string(), record);
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_version_s_stats_go_once_it_has_no_worker_and_no_traffic_for_the_retention() {
+    const RETENTION: Duration = Duration::from_secs(2);
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start().await.unwrap();
+    let stays = WorkerOpts::synthetic("w-stays", "v1", 200.0, &etcd.url, &[]);
+    let leaves = WorkerOpts::synthetic("w-leaves", "v2", 200.0, &etcd.url, &[]);
+    let _stays = WorkerProc::start(stays, dir.path()).await.unwrap();
+    let mut leaves = WorkerProc::start(leaves, dir.path()).await.unwrap();
+    let router = etcd_router(
+        dir.path(),
+        &etcd,
+        2,
+        &[
+            "--router-id",
+            "r-retention",
+            "--stats-interval-ms",
+            "200",
+            "--stats-retention-s",
+            &RETENTION.as_secs().to_string(),
+        ],
+    )
+    .await;
+    let mut client = router.client().await;
+    collect(&mut client, pinned("v1")).await.expect("v1 serves");
+    let last_v2 = std::time::Instant::now();
+    collect(&mut client, pinned("v2")).await.expect("v2 serves");
+    let both = eventually(Duration::from_secs(10), || async {
+        let s = published(&etcd, "r-retention").await;
+        s.get("v1").is_some_and(|r| r.requests == 1) && s.get("v2").is_some_and(|r| r.requests == 1)
+    })
+    .await;
+    assert!(both, "{:#?}", published(&etcd, "r-retention").await);
+
+    // v2's only worker drains and deregisters: its stats stay until the
+    // retention has passed since its last request, then go.
+    let status = leaves.proc.terminate(Duration::from_secs(15));
+    assert!(status.success(), "{}", leaves.proc.log_text());
+    let gone = eventually(Duration::from_secs(15), || async {
+        !published(&etcd, "r-retention").await.contains_key("v2")
+    })
+    .await;
+    let s = published(&etcd, "r-retention").await;
+    assert!(gone, "v2's stats outlived the retention: {s:#?}");
+    assert!(
+        last_v2.elapsed() >= RETENTION,
+        "v2's stats went {:?} after its last request, before the retention",
+        last_v2.elapsed()
+    );
+    // v1, idle as long, stays: its worker is registered.
+    assert_eq!(s["v1"].requests, 1, "{s:#?}");
+}

@@ -3,14 +3,16 @@
 //! with the per-request metrics counted as they pass. The per-token series'
 //! handles are looked up once per sequence, not per token (issue 20).
 use crate::errors::WorkerError;
-use crate::scheduler::{Event, Finish};
+use crate::scheduler::{EngineStats, Event, Finish};
 use crate::server::{record_outcome, Labels, WorkerIdentity};
 use crate::streams::LiveStream;
 use metrics::{Counter, Gauge, Histogram};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokenmesh_proto::v1::{
     generate_response, Accepted, Arm, Delta, FinishReason, Finished, GenerateResponse, Timings,
-    Usage,
+    Usage, WorkerLoad,
 };
 use tokio::sync::mpsc;
 use tonic::Status;
@@ -31,6 +33,19 @@ pub(crate) struct ReplyTo {
     pub span: tracing::Span,
     /// Keeps the stream's name taken (for Abort) until the reply ends.
     pub _live: LiveStream,
+    /// The engine's live counters, read into `Accepted.load` and
+    /// `Finished.load`: a busy worker's routers learn its load from its
+    /// streams, not only from Status polls (BENCHMARKS.md, "Fleet scale").
+    pub engine: Arc<EngineStats>,
+}
+
+/// The load fields of Status, as they are now.
+pub(crate) fn load_of(stats: &EngineStats) -> WorkerLoad {
+    WorkerLoad {
+        queue_depth: stats.queued.load(Ordering::SeqCst),
+        active_sequences: stats.active.load(Ordering::SeqCst),
+        draining: stats.draining.load(Ordering::SeqCst),
+    }
 }
 
 /// Converts one sequence's engine events into numbered wire messages.
@@ -90,6 +105,7 @@ impl Relay {
             version: self.to.identity.version.clone(),
             arm: Arm::Unspecified as i32,
             worker_id: self.to.identity.worker_id.clone(),
+            load: Some(load_of(&self.to.engine)),
         });
         if !self.send(accepted).await {
             return;
@@ -209,6 +225,7 @@ impl Relay {
             failovers: 0,
             timings: Some(timings),
             worker_id: self.to.identity.worker_id.clone(),
+            load: Some(load_of(&self.to.engine)),
         });
         self.send(finished).await;
     }

@@ -163,6 +163,7 @@ impl Worker for WorkerService {
             started: enqueued,
             span,
             _live: live,
+            engine: self.engine.stats().clone(),
         });
         // Not instrumented: entering the span on every poll, that is every
         // token, is a per-token cost (issue 20); the relay logs nothing and

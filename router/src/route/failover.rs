@@ -173,7 +173,10 @@ async fn relay(
             }
         };
         match message {
-            WorkerMessage::Accepted(_) | WorkerMessage::Empty => {}
+            WorkerMessage::Accepted(a) => {
+                upstream.guard.endpoint().note_load(a.load.as_ref(), false)
+            }
+            WorkerMessage::Empty => {}
             WorkerMessage::Delta(d) => {
                 let tokens = d.token_count();
                 if client.emitted.is_empty() && tokens > 0 {
@@ -188,6 +191,11 @@ async fn relay(
                 // a CANCELLED (the worker's Abort) or KV_CACHE_FULL one too:
                 // neither is a failure another worker could mend.
                 client.meter.code = tonic::Code::Ok;
+                // The worker's load is for this router, not the client.
+                upstream
+                    .guard
+                    .endpoint()
+                    .note_load(f.load.take().as_ref(), true);
                 if let Some(u) = &f.usage {
                     ctx.attempts.affinity().finished(u.prompt_tokens);
                 }

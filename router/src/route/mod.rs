@@ -274,6 +274,7 @@ impl Router {
             version: choice.version.clone(),
             arm: choice.arm as i32,
             worker_id: worker_id.clone(),
+            load: None,
         };
         let ctx = FailoverContext {
             attempts,

@@ -15,9 +15,17 @@
 //! `publish` writes the snapshots to etcd under the router's lease. The
 //! stats learn the workers of each version through [`WorkerViews`], which the
 //! registry implements, so the dependency runs one way: registry → stats.
+//!
+//! A version that has had no traffic for a retention time
+//! (`--stats-retention-s`) and is neither
+//! registered nor named by a policy is dropped from the snapshots, and its
+//! counters with it, so that a long-lived router does not publish every
+//! version it ever served. Should it come back, its counters begin again
+//! from zero under a new `started_at_ms`, which readers take for a new
+//! series (the control plane's windows count such a series whole).
 pub mod publish;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -30,20 +38,30 @@ use tonic::Code;
 pub trait WorkerViews: Send + Sync {
     /// (model, version) → worker id → view, for every registered worker.
     fn worker_views(&self) -> BTreeMap<(String, String), BTreeMap<String, WorkerView>>;
+
+    /// (model, version) of every version a traffic policy names (stable or
+    /// canary): their stats are kept while idle.
+    fn policy_versions(&self) -> BTreeSet<(String, String)>;
 }
 
 /// Cumulative counters of one model version.
 #[derive(Debug)]
 pub struct VersionCounters {
+    /// Unix milliseconds when these counters began.
+    started_at_ms: u64,
+    /// Unix milliseconds of the last attempt counted.
+    used_at_ms: AtomicU64,
     requests: AtomicU64,
     errors: AtomicU64,
     /// One per bucket of [`TTFT_BUCKETS_MS`], plus one above the largest.
     ttft: Vec<AtomicU64>,
 }
 
-impl Default for VersionCounters {
-    fn default() -> Self {
+impl VersionCounters {
+    fn new(started_at_ms: u64) -> Self {
         Self {
+            started_at_ms,
+            used_at_ms: AtomicU64::new(started_at_ms),
             requests: AtomicU64::new(0),
             errors: AtomicU64::new(0),
             ttft: (0..=TTFT_BUCKETS_MS.len())
@@ -62,7 +80,8 @@ pub fn ttft_bucket(ms: f64) -> usize {
         .unwrap_or(TTFT_BUCKETS_MS.len())
 }
 
-/// Every version's counters since this router started.
+/// Every version's counters since this router started, less those of
+/// versions gone idle (see the module's documentation).
 #[derive(Debug)]
 pub struct Stats {
     started_at_ms: u64,
@@ -82,13 +101,15 @@ impl Stats {
     /// Counts one attempt on a worker of `model`/`version`; its outcome is
     /// recorded through the returned [`Attempt`].
     pub fn attempt(&self, model: &str, version: &str) -> Attempt {
+        let now = unix_ms();
         let counters = self
             .versions
             .lock()
             .expect("stats lock")
             .entry((model.to_string(), version.to_string()))
-            .or_default()
+            .or_insert_with(|| Arc::new(VersionCounters::new(now.max(self.started_at_ms))))
             .clone();
+        counters.used_at_ms.store(now, Ordering::Relaxed);
         counters.requests.fetch_add(1, Ordering::Relaxed);
         Attempt {
             counters,
@@ -96,20 +117,50 @@ impl Stats {
         }
     }
 
-    /// One record per version that has counters or registered workers.
-    pub fn snapshot(&self, workers: &dyn WorkerViews) -> BTreeMap<(String, String), StatsRecord> {
-        let now = unix_ms();
+    /// One record per version that has counters or registered workers,
+    /// after dropping the counters of versions idle for `retention` that no
+    /// worker or policy has.
+    pub fn snapshot(
+        &self,
+        workers: &dyn WorkerViews,
+        retention: Duration,
+    ) -> BTreeMap<(String, String), StatsRecord> {
+        self.snapshot_at(workers, retention, unix_ms())
+    }
+
+    fn snapshot_at(
+        &self,
+        workers: &dyn WorkerViews,
+        retention: Duration,
+        now: u64,
+    ) -> BTreeMap<(String, String), StatsRecord> {
+        let views = workers.worker_views();
+        let policies = workers.policy_versions();
         let empty = || StatsRecord {
             started_at_ms: self.started_at_ms,
             updated_at_ms: now,
             ttft_counts: vec![0; TTFT_BUCKETS_MS.len() + 1],
             ..Default::default()
         };
+        let retention = retention.as_millis() as u64;
         let mut out = BTreeMap::new();
-        for (key, c) in self.versions.lock().expect("stats lock").iter() {
+        let mut versions = self.versions.lock().expect("stats lock");
+        versions.retain(|key, c| {
+            // An attempt still running holds the counters (a second Arc):
+            // its outcome must not be lost.
+            let idle = Arc::strong_count(c) == 1
+                && now.saturating_sub(c.used_at_ms.load(Ordering::Relaxed)) >= retention;
+            let keep = !idle || views.contains_key(key) || policies.contains(key);
+            if !keep {
+                tracing::debug!(model = %key.0, version = %key.1, "stats of an idle version dropped");
+            }
+            keep
+        });
+        for (key, c) in versions.iter() {
             out.insert(
                 key.clone(),
                 StatsRecord {
+                    started_at_ms: c.started_at_ms,
                     requests: c.requests.load(Ordering::Relaxed),
                     errors: c.errors.load(Ordering::Relaxed),
                     ttft_counts: c.ttft.iter().map(|b| b.load(Ordering::Relaxed)).collect(),
@@ -117,7 +168,8 @@ impl Stats {
                 },
             );
         }
-        for (key, views) in workers.worker_views() {
+        drop(versions);
+        for (key, views) in views {
             out.entry(key).or_insert_with(empty).workers = views;
         }
         out
@@ -212,13 +264,70 @@ mod tests {
                 BTreeMap::from([("w1".to_string(), view)]),
             )])
         }
+
+        fn policy_versions(&self) -> BTreeSet<(String, String)> {
+            BTreeSet::from([("m".to_string(), "stable".to_string())])
+        }
+    }
+
+    const KEEP: Duration = Duration::from_secs(600);
+
+    fn key(version: &str) -> (String, String) {
+        ("m".to_string(), version.to_string())
+    }
+
+    #[test]
+    fn an_idle_version_no_worker_or_policy_has_is_dropped_after_the_retention() {
+        let stats = Stats::default();
+        for v in ["gone", "v3", "stable", "busy"] {
+            stats.attempt("m", v).ended(Code::Ok);
+        }
+        // "busy" has an attempt still running.
+        let running = stats.attempt("m", "busy");
+        let t0 = unix_ms();
+        let snap = stats.snapshot_at(&OneWorker, KEEP, t0);
+        assert_eq!(snap.len(), 4, "nothing is idle yet: {snap:?}");
+        let gone_started = snap[&key("gone")].started_at_ms;
+        assert!(gone_started >= stats.started_at_ms);
+
+        // Just short of the retention: still there.
+        let almost = t0 + KEEP.as_millis() as u64 - 1_000;
+        assert!(stats
+            .snapshot_at(&OneWorker, KEEP, almost)
+            .contains_key(&key("gone")));
+
+        // Past it, only the version nothing holds goes: v3 has a worker,
+        // "stable" a policy, "busy" a running attempt.
+        let later = t0 + KEEP.as_millis() as u64 + 1_000;
+        let snap = stats.snapshot_at(&OneWorker, KEEP, later);
+        let versions: Vec<&str> = snap.keys().map(|(_, v)| v.as_str()).collect();
+        assert_eq!(versions, ["busy", "stable", "v3"]);
+        assert_eq!(snap[&key("v3")].requests, 1, "kept with its counts");
+        assert_eq!(
+            stats.versions.lock().unwrap().len(),
+            3,
+            "the counters went too"
+        );
+
+        // Once the attempt ends and the time passes, "busy" goes as well.
+        drop(running);
+        let snap = stats.snapshot_at(&OneWorker, KEEP, later);
+        assert!(!snap.contains_key(&key("busy")), "{snap:?}");
+
+        // A version that comes back counts again from zero, as a new series.
+        std::thread::sleep(Duration::from_millis(2));
+        stats.attempt("m", "gone").ended(Code::Internal);
+        let snap = stats.snapshot_at(&OneWorker, KEEP, unix_ms());
+        let back = &snap[&key("gone")];
+        assert_eq!((back.requests, back.errors), (1, 1));
+        assert!(back.started_at_ms > gone_started, "{back:?}");
     }
 
     #[test]
     fn snapshots_cover_versions_with_traffic_or_workers() {
         let stats = Stats::default();
         stats.attempt("m", "v1").ended(Code::Unavailable);
-        let snap = stats.snapshot(&OneWorker);
+        let snap = stats.snapshot(&OneWorker, KEEP);
         let v1 = &snap[&("m".to_string(), "v1".to_string())];
         assert_eq!((v1.requests, v1.errors), (1, 1));
         assert!(v1.workers.is_empty());

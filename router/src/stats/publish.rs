@@ -25,6 +25,9 @@ pub struct PublishConfig {
     pub keys: Keys,
     pub router_id: String,
     pub interval: Duration,
+    /// How long the stats of a version no worker or policy has outlive its
+    /// last request.
+    pub retention: Duration,
     /// Mutual TLS to etcd.
     pub tls: Option<TlsPaths>,
 }
@@ -87,7 +90,8 @@ async fn publish_under_lease(
 }
 
 /// Puts one record per version under `lease` and deletes the keys of
-/// versions that are gone (no traffic and no workers); the keys written.
+/// versions that are gone (no workers, and no traffic for the retention
+/// time unless a policy names them); the keys written.
 async fn put_snapshot(
     client: &mut Client,
     cfg: &PublishConfig,
@@ -97,7 +101,7 @@ async fn put_snapshot(
     previous: &HashSet<String>,
 ) -> Result<HashSet<String>, etcd_client::Error> {
     let mut written = HashSet::new();
-    for ((model, version), record) in stats.snapshot(registry) {
+    for ((model, version), record) in stats.snapshot(registry, cfg.retention) {
         let key = cfg.keys.stats(&cfg.router_id, &model, &version);
         let value = serde_json::to_string(&record).expect("a StatsRecord serializes");
         client

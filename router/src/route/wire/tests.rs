@@ -1,6 +1,6 @@
 use super::*;
 use rand::{Rng, SeedableRng};
-use tokenmesh_proto::v1::{Arm, FinishReason, Timings, Usage};
+use tokenmesh_proto::v1::{Arm, FinishReason, Timings, Usage, WorkerLoad};
 
 fn delta(ids: &[u32], text: &str) -> Delta {
     Delta {
@@ -91,6 +91,10 @@ fn accepted_finished_and_no_event_are_decoded_by_prost() {
         version: "v1".into(),
         arm: Arm::Canary as i32,
         worker_id: "w".into(),
+        load: Some(WorkerLoad {
+            queue_depth: 3,
+            ..Default::default()
+        }),
     };
     let finished = Finished {
         finish_reason: FinishReason::Length as i32,
