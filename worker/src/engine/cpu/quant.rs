@@ -482,7 +482,7 @@ pub fn parse_q6_k(bytes: &[u8]) -> Vec<BlockQ6K> {
     bytes
         .chunks_exact(Q6_K_BYTES)
         .map(|b| BlockQ6K {
-            ql: array(&b[..]),
+            ql: array(b),
             qh: array(&b[128..]),
             scales: array::<16>(&b[192..]).map(|s| s as i8),
             d: le16(&b[208..]),
