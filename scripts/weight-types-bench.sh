@@ -23,7 +23,7 @@ TYPES=${TYPES:-"Q4_0 Q4_1 Q5_0 Q4_K_M Q5_K_M Q6_K Q8_0 F16"}
 THREADS=${THREADS:-2}
 OUT=${OUT:-scripts/benchmark-results}
 TAG=${TAG:-weight-types}
-DIR=target/weight-types
+DIR=$PWD/target/weight-types
 mkdir -p "$OUT" "$DIR"
 SUMMARY=$OUT/$TAG-summary.txt
 
