@@ -33,8 +33,8 @@ use attention::{Heads, SeqRows};
 use candle_core::quantized::{gguf_file, GgmlDType};
 use candle_core::Device;
 pub use kernels::CpuKernels;
-use matmul::{Blocks, Linear, QMatrix};
-use quant::{BlockQ8A, QK};
+use matmul::{Acts, Blocks, Linear, QMatrix};
+use quant::QK;
 use std::io::{Read, Seek, SeekFrom};
 use std::sync::Mutex;
 use threads::ComputePool;
@@ -54,7 +54,8 @@ struct Layer {
 #[derive(Default)]
 struct Scratch {
     x: Vec<f32>,
-    qa: Vec<BlockQ8A>,
+    /// The input rows of the next projection, in the formats it reads.
+    qa: Acts,
     qkv: Vec<f32>,
     attn: Vec<f32>,
     proj: Vec<f32>,
@@ -99,11 +100,18 @@ fn read_raw<R: Read + Seek>(
     Ok(buf)
 }
 
-/// A 2-D weight in a format the kernels run: Q4_1 and Q8_0 as stored, any
-/// other type requantized to Q8_0 (8 bits per weight loses next to nothing).
+/// Tensor types the kernels do not run, and how many tensors of each were
+/// requantized to Q8_0 at load.
+type Fallbacks = std::collections::BTreeMap<String, usize>;
+
+/// A 2-D weight in a format the kernels run: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+/// Q4_K, Q5_K, Q6_K, F16, BF16 and F32 as stored; any rarer type (Q2_K,
+/// Q3_K, Q8_1, ...) requantized to Q8_0 (8 bits per weight loses next to
+/// nothing, but costs memory), counted in `fallbacks`.
 fn matrix<R: Read + Seek>(
     content: &gguf_file::Content,
     reader: &mut R,
+    fallbacks: &mut Fallbacks,
     name: &str,
 ) -> Result<QMatrix, ModelError> {
     let info = content
@@ -117,21 +125,36 @@ fn matrix<R: Read + Seek>(
             why: format!("shape {dims:?}, expected 2 dimensions"),
         });
     };
-    if cols % QK != 0 {
+    let dtype = info.ggml_dtype;
+    let block = dtype.block_size().max(QK);
+    if cols % block != 0 {
         return Err(ModelError::Shape {
             name: name.to_string(),
-            why: format!("rows of {cols} values; the CPU kernels need a multiple of {QK}"),
+            why: format!(
+                "rows of {cols} values; the CPU kernels need a multiple of {block} for {dtype:?}"
+            ),
         });
     }
-    let blocks = match info.ggml_dtype {
-        GgmlDType::Q4_1 => Blocks::Q4_1(quant::parse_q4_1(&read_raw(content, reader, name)?)),
-        GgmlDType::Q8_0 => Blocks::Q8_0(quant::parse_q8_0(&read_raw(content, reader, name)?)),
-        _ => {
+    let mut raw = || read_raw(content, reader, name);
+    let blocks = match dtype {
+        GgmlDType::Q4_0 => Blocks::Q4_0(quant::parse_q4_0(&raw()?)),
+        GgmlDType::Q4_1 => Blocks::Q4_1(quant::parse_q4_1(&raw()?)),
+        GgmlDType::Q5_0 => Blocks::Q5_0(quant::parse_q5_0(&raw()?)),
+        GgmlDType::Q5_1 => Blocks::Q5_1(quant::parse_q5_1(&raw()?)),
+        GgmlDType::Q8_0 => Blocks::Q8_0(quant::parse_q8_0(&raw()?)),
+        GgmlDType::Q4K => Blocks::Q4K(quant::parse_q4_k(&raw()?)),
+        GgmlDType::Q5K => Blocks::Q5K(quant::parse_q5_k(&raw()?)),
+        GgmlDType::Q6K => Blocks::Q6K(quant::parse_q6_k(&raw()?)),
+        GgmlDType::F16 => Blocks::F16(quant::parse_f16(&raw()?)),
+        GgmlDType::BF16 => Blocks::Bf16(quant::parse_bf16(&raw()?)),
+        GgmlDType::F32 => Blocks::F32(quant::parse_f32(&raw()?)),
+        other => {
             let dense = content
                 .tensor(reader, name, &Device::Cpu)?
                 .dequantize(&Device::Cpu)?
                 .flatten_all()?
                 .to_vec1::<f32>()?;
+            *fallbacks.entry(format!("{other:?}")).or_default() += 1;
             Blocks::Q8_0(quant::quantize_q8_0(&dense))
         }
     };
@@ -154,8 +177,8 @@ fn vector<R: Read + Seek>(
 }
 
 impl CpuLlama {
-    /// Reads the weights, keeping Q4_1 and Q8_0 blocks as they are, laid
-    /// out for `kernels`, and starts `threads` compute threads (the caller's
+    /// Reads the weights, keeping every type the kernels run as stored (see
+    /// `matrix`), laid out for `kernels`, and starts `threads` compute threads (the caller's
     /// included).
     pub fn load<R: Read + Seek>(
         content: &gguf_file::Content,
@@ -164,11 +187,20 @@ impl CpuLlama {
         kernels: CpuKernels,
     ) -> Result<Self, ModelError> {
         let cfg = LlamaConfig::from_gguf(content)?;
-        let embed = matrix(content, reader, "token_embd.weight")?.interleaved(kernels);
+        let mut fallbacks = Fallbacks::new();
+        let embed = matrix(content, reader, &mut fallbacks, "token_embd.weight")?;
+        let mut formats = std::collections::BTreeMap::<&str, usize>::new();
+        let mut count = |m: &QMatrix| *formats.entry(m.blocks.name()).or_default() += 1;
+        count(&embed);
+        let embed = embed.interleaved(kernels);
         let mut layers = Vec::with_capacity(cfg.n_layer);
         for i in 0..cfg.n_layer {
             let name = |n: &str| format!("blk.{i}.{n}.weight");
-            let mut m = |n: &str| matrix(content, reader, &name(n));
+            let mut m = |n: &str| {
+                let m = matrix(content, reader, &mut fallbacks, &name(n))?;
+                count(&m);
+                Ok::<_, ModelError>(m)
+            };
             let fused = |parts| Linear::fused(parts, kernels);
             let wqkv = fused(vec![m("attn_q")?, m("attn_k")?, m("attn_v")?]);
             let wo = fused(vec![m("attn_output")?]);
@@ -185,8 +217,11 @@ impl CpuLlama {
         }
         let norm = vector(content, reader, "output_norm.weight")?;
         // Tied embeddings (as in SmolLM2) have no separate output matrix.
-        let lm_head = match matrix(content, reader, "output.weight") {
-            Ok(m) => Some(m.interleaved(kernels)),
+        let lm_head = match matrix(content, reader, &mut fallbacks, "output.weight") {
+            Ok(m) => {
+                count(&m);
+                Some(m.interleaved(kernels))
+            }
             Err(ModelError::MissingTensor(_)) => None,
             Err(e) => return Err(e),
         };
@@ -211,6 +246,15 @@ impl CpuLlama {
             vnni = kernels.vnni(),
             "CPU kernels: quantized weights loaded"
         );
+        let formats: Vec<String> = formats.iter().map(|(f, n)| format!("{f}: {n}")).collect();
+        tracing::info!(matrices = %formats.join(", "), "CPU kernels: weight formats kept as stored");
+        for (dtype, tensors) in &fallbacks {
+            // The documented fallback for types without kernels of their own.
+            tracing::warn!(
+                tensors,
+                "CPU kernels: {dtype} weights have no kernels here; requantized to Q8_0 at load"
+            );
+        }
         Ok(model)
     }
 
@@ -279,9 +323,7 @@ impl CpuLlama {
         let cfg = &self.cfg;
         let (q_dim, kv_dim) = (cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim);
         let ffn = self.layers.first().map_or(0, |l| l.w_down.cols);
-        let widest = cfg.hidden.max(ffn).max(q_dim);
         sc.x.resize(n * cfg.hidden, 0.0);
-        sc.qa.resize(n * widest / QK, BlockQ8A::default());
         sc.qkv.resize(n * (q_dim + 2 * kv_dim), 0.0);
         sc.attn.resize(n * q_dim, 0.0);
         sc.proj.resize(n * cfg.hidden, 0.0);
@@ -335,7 +377,15 @@ impl CpuLlama {
         let qkv_ld = q_dim + 2 * kv_dim;
         let n = sc.x.len() / cfg.hidden;
         let eps = cfg.rms_eps as f32;
-        rows::norm_quantize(&self.threads, &sc.x, &layer.attn_norm, eps, &mut sc.qa);
+        let needs = layer.wqkv.needs();
+        rows::norm_quantize(
+            &self.threads,
+            &sc.x,
+            &layer.attn_norm,
+            eps,
+            needs,
+            &mut sc.qa,
+        );
         layer.wqkv.forward(&self.threads, &sc.qa, n, &mut sc.qkv);
 
         let (keys, values) = pool
@@ -373,16 +423,25 @@ impl CpuLlama {
             values,
             &mut sc.attn,
         );
-        rows::quantize(&self.threads, &sc.attn, q_dim, &mut sc.qa);
+        rows::quantize(&self.threads, &sc.attn, q_dim, layer.wo.needs(), &mut sc.qa);
         layer.wo.forward(&self.threads, &sc.qa, n, &mut sc.proj);
         add_into(&mut sc.x, &sc.proj);
 
         let ffn = layer.w_down.cols;
-        rows::norm_quantize(&self.threads, &sc.x, &layer.ffn_norm, eps, &mut sc.qa);
+        let needs = layer.w_gate_up.needs();
+        rows::norm_quantize(
+            &self.threads,
+            &sc.x,
+            &layer.ffn_norm,
+            eps,
+            needs,
+            &mut sc.qa,
+        );
         layer
             .w_gate_up
             .forward(&self.threads, &sc.qa, n, &mut sc.gu);
-        rows::silu_mul_quantize(&self.threads, &sc.gu, ffn, &mut sc.qa);
+        let needs = layer.w_down.needs();
+        rows::silu_mul_quantize(&self.threads, &sc.gu, ffn, needs, &mut sc.qa);
         layer.w_down.forward(&self.threads, &sc.qa, n, &mut sc.proj);
         add_into(&mut sc.x, &sc.proj);
         Ok(())
@@ -399,8 +458,15 @@ impl CpuLlama {
             dst.copy_from_slice(&sc.x[r * hidden..(r + 1) * hidden]);
         }
         let eps = self.cfg.rms_eps as f32;
-        rows::norm_quantize(&self.threads, &last, &self.norm, eps, &mut sc.qa);
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        rows::norm_quantize(
+            &self.threads,
+            &last,
+            &self.norm,
+            eps,
+            head.needs(),
+            &mut sc.qa,
+        );
         sc.logits.resize(m * head.rows, 0.0);
         head.matmul(&self.threads, &sc.qa, m, &mut sc.logits, head.rows, 0);
     }

@@ -1,6 +1,7 @@
-//! AVX2 kernels for quantized matrix products (x86_64 with AVX2, FMA and
-//! F16C, checked at run time by `matmul`), on weights interleaved by eight
-//! rows (`quant::BlockQ4_1x8`, `quant::BlockQ8_0x8`), and the row-wise and
+//! AVX2 kernels for the weight matrices' products (x86_64 with AVX2, FMA and
+//! F16C, checked at run time by `matmul`): the 32-value block formats on
+//! weights interleaved by eight rows (`quant::BlockQ4_0x8` and its kin), the
+//! K-quants and the float formats row by row as stored; and the row-wise and
 //! attention kernels of the CPU backend.
 //!
 //! A weight block is unpacked into a register once and multiplied with up to
@@ -9,7 +10,10 @@
 //! computed by the same instruction sequence whatever the tile size, so a
 //! sequence's numbers do not depend on what else shares its batch.
 use super::attention::KvHead;
-use super::quant::{BlockQ4_1x8, BlockQ8A, BlockQ8_0x8};
+use super::quant::{
+    self, Bf16Bits, BlockQ4K, BlockQ4_0x8, BlockQ4_1x8, BlockQ5K, BlockQ5_0x8, BlockQ5_1x8,
+    BlockQ6K, BlockQ8A, BlockQ8K, BlockQ8_0x8, F16Bits,
+};
 use std::arch::x86_64::*;
 use std::ops::Range;
 
@@ -38,29 +42,132 @@ unsafe fn store(out: *mut f32, v: __m256, lanes: usize) {
     }
 }
 
-/// Eight interleaved Q4_1 rows against up to four activation rows: writes
-/// eight consecutive outputs per activation row.
+/// An interleaved block of eight rows of 32 unsigned 4- or 5-bit values,
+/// each weight `d * q + m`, as `tile_nibbles_x8` reads it.
+trait NibblesX8 {
+    /// Whether values have five bits (the i16 sums must then be widened per
+    /// chunk: 8 * 2 * 31 * 128 overflows i16).
+    const WIDE: bool;
+    /// The values of chunk `c` (0..4): low nibbles (elements `4 c + e`) and
+    /// high nibbles (elements `16 + 4 c + e`), one byte each.
+    unsafe fn chunk(&self, c: usize) -> (__m256i, __m256i);
+    /// The eight rows' scales `d` and offsets `m`.
+    unsafe fn scales(&self) -> (__m256, __m256);
+}
+
 #[inline(always)]
-unsafe fn tile_q4_1x8<const R: usize, const VNNI: bool>(
-    w: &[BlockQ4_1x8],
+unsafe fn nibbles(qs: &[u8; 128], c: usize) -> (__m256i, __m256i) {
+    let m4 = _mm256_set1_epi8(0x0f);
+    let raw = _mm256_loadu_si256(qs.as_ptr().add(32 * c) as *const __m256i);
+    (
+        _mm256_and_si256(raw, m4),
+        _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4),
+    )
+}
+
+/// Byte `k` of the result is 0x10 where bit `k` of `bits` is set (a fifth
+/// bit moved into place).
+#[inline(always)]
+unsafe fn fifth_bits(bits: u32) -> __m256i {
+    // Byte k gets byte k / 8 of `bits` (each 128-bit lane holds all four).
+    let spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(bits as i32),
+        _mm256_setr_epi8(
+            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3,
+            3, 3, 3,
+        ),
+    );
+    let select = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+    let hit = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+    _mm256_and_si256(hit, _mm256_set1_epi8(0x10))
+}
+
+#[inline(always)]
+unsafe fn half8(bits: &[u16; 8]) -> __m256 {
+    _mm256_cvtph_ps(_mm_loadu_si128(bits.as_ptr() as *const __m128i))
+}
+
+impl NibblesX8 for BlockQ4_1x8 {
+    const WIDE: bool = false;
+    #[inline(always)]
+    unsafe fn chunk(&self, c: usize) -> (__m256i, __m256i) {
+        nibbles(&self.qs, c)
+    }
+    #[inline(always)]
+    unsafe fn scales(&self) -> (__m256, __m256) {
+        (half8(&self.d), half8(&self.m))
+    }
+}
+
+impl NibblesX8 for BlockQ4_0x8 {
+    const WIDE: bool = false;
+    #[inline(always)]
+    unsafe fn chunk(&self, c: usize) -> (__m256i, __m256i) {
+        nibbles(&self.qs, c)
+    }
+    #[inline(always)]
+    unsafe fn scales(&self) -> (__m256, __m256) {
+        // d * (q - 8) = d * q + (-8 d), exactly (a power of two).
+        let d = half8(&self.d);
+        (d, _mm256_mul_ps(d, _mm256_set1_ps(-8.0)))
+    }
+}
+
+impl NibblesX8 for BlockQ5_0x8 {
+    const WIDE: bool = true;
+    #[inline(always)]
+    unsafe fn chunk(&self, c: usize) -> (__m256i, __m256i) {
+        let (lo, hi) = nibbles(&self.qs, c);
+        (
+            _mm256_or_si256(lo, fifth_bits(self.qh[2 * c])),
+            _mm256_or_si256(hi, fifth_bits(self.qh[2 * c + 1])),
+        )
+    }
+    #[inline(always)]
+    unsafe fn scales(&self) -> (__m256, __m256) {
+        let d = half8(&self.d);
+        (d, _mm256_mul_ps(d, _mm256_set1_ps(-16.0)))
+    }
+}
+
+impl NibblesX8 for BlockQ5_1x8 {
+    const WIDE: bool = true;
+    #[inline(always)]
+    unsafe fn chunk(&self, c: usize) -> (__m256i, __m256i) {
+        let (lo, hi) = nibbles(&self.qs, c);
+        (
+            _mm256_or_si256(lo, fifth_bits(self.qh[2 * c])),
+            _mm256_or_si256(hi, fifth_bits(self.qh[2 * c + 1])),
+        )
+    }
+    #[inline(always)]
+    unsafe fn scales(&self) -> (__m256, __m256) {
+        (half8(&self.d), half8(&self.m))
+    }
+}
+
+/// Eight interleaved rows of 4- or 5-bit values (Q4_0, Q4_1, Q5_0, Q5_1)
+/// against up to four activation rows: writes eight consecutive outputs per
+/// activation row.
+#[inline(always)]
+unsafe fn tile_nibbles_x8<B: NibblesX8, const R: usize, const VNNI: bool>(
+    w: &[B],
     a: &[BlockQ8A],
     kb: usize,
     out: *mut f32,
     ld: usize,
     lanes: usize,
 ) {
-    let m4 = _mm256_set1_epi8(0x0f);
     let ones = _mm256_set1_epi16(1);
     let mut acc = [_mm256_setzero_ps(); R];
     for (b, wb) in w.iter().enumerate() {
         // Integer phase: per activation row, the eight rows' block sums:
-        // with VNNI in i32 lanes directly, else in i16 lanes (at most
-        // 8 * 2 * 15 * 128 = 30720, no overflow) widened at the end.
+        // with VNNI in i32 lanes directly, else in i16 lanes (4-bit values:
+        // at most 8 * 2 * 15 * 128 = 30720, no overflow) widened at the end,
+        // or per chunk for 5-bit values.
         let mut sums = [_mm256_setzero_si256(); R];
         for c in 0..4 {
-            let raw = _mm256_loadu_si256(wb.qs.as_ptr().add(32 * c) as *const __m256i);
-            let lo = _mm256_and_si256(raw, m4);
-            let hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+            let (lo, hi) = wb.chunk(c);
             for i in 0..R {
                 let ap = a.get_unchecked(i * kb + b).qs.as_ptr() as *const i32;
                 let x_lo = _mm256_set1_epi32(ap.add(c).read_unaligned());
@@ -69,16 +176,22 @@ unsafe fn tile_q4_1x8<const R: usize, const VNNI: bool>(
                     sums[i] = _mm256_dpbusd_epi32(sums[i], lo, x_lo);
                     sums[i] = _mm256_dpbusd_epi32(sums[i], hi, x_hi);
                 } else {
-                    sums[i] = _mm256_add_epi16(sums[i], _mm256_maddubs_epi16(lo, x_lo));
-                    sums[i] = _mm256_add_epi16(sums[i], _mm256_maddubs_epi16(hi, x_hi));
+                    let p = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(lo, x_lo),
+                        _mm256_maddubs_epi16(hi, x_hi),
+                    );
+                    sums[i] = if B::WIDE {
+                        _mm256_add_epi32(sums[i], _mm256_madd_epi16(p, ones))
+                    } else {
+                        _mm256_add_epi16(sums[i], p)
+                    };
                 }
             }
         }
-        let d = _mm256_cvtph_ps(_mm_loadu_si128(wb.d.as_ptr() as *const __m128i));
-        let m = _mm256_cvtph_ps(_mm_loadu_si128(wb.m.as_ptr() as *const __m128i));
+        let (d, m) = wb.scales();
         for i in 0..R {
             let ab = a.get_unchecked(i * kb + b);
-            let isum = if VNNI {
+            let isum = if VNNI || B::WIDE {
                 sums[i]
             } else {
                 _mm256_madd_epi16(sums[i], ones)
@@ -135,7 +248,7 @@ unsafe fn tile_q8_0x8<const R: usize, const VNNI: bool>(
 }
 
 macro_rules! groups_kernel {
-    ($name:ident, $block:ty, $tile:ident, $vnni:literal, $features:literal) => {
+    ($name:ident, $block:ty, $tile:ident $(<$g:ty>)?, $vnni:literal, $features:literal) => {
         /// Groups of eight interleaved weight rows (`groups`, each `kb`
         /// blocks; the matrix has `rows` rows, so its last group may be
         /// padded) against all `n` activation rows of `a`:
@@ -166,14 +279,14 @@ macro_rules! groups_kernel {
                     let mut i = t0;
                     while i + 4 <= t1 {
                         let o = out.add(i * ld + 8 * g);
-                        $tile::<4, $vnni>(wg, &a[i * kb..], kb, o, ld, lanes);
+                        $tile::<$($g,)? 4, $vnni>(wg, &a[i * kb..], kb, o, ld, lanes);
                         i += 4;
                     }
                     let (ar, o) = (&a[i * kb..], out.add(i * ld + 8 * g));
                     match t1 - i {
-                        3 => $tile::<3, $vnni>(wg, ar, kb, o, ld, lanes),
-                        2 => $tile::<2, $vnni>(wg, ar, kb, o, ld, lanes),
-                        1 => $tile::<1, $vnni>(wg, ar, kb, o, ld, lanes),
+                        3 => $tile::<$($g,)? 3, $vnni>(wg, ar, kb, o, ld, lanes),
+                        2 => $tile::<$($g,)? 2, $vnni>(wg, ar, kb, o, ld, lanes),
+                        1 => $tile::<$($g,)? 1, $vnni>(wg, ar, kb, o, ld, lanes),
                         _ => {}
                     }
                 }
@@ -184,9 +297,30 @@ macro_rules! groups_kernel {
 }
 
 groups_kernel!(
+    groups_q4_0x8,
+    BlockQ4_0x8,
+    tile_nibbles_x8<BlockQ4_0x8>,
+    false,
+    "avx2,fma,f16c"
+);
+groups_kernel!(
     groups_q4_1x8,
     BlockQ4_1x8,
-    tile_q4_1x8,
+    tile_nibbles_x8<BlockQ4_1x8>,
+    false,
+    "avx2,fma,f16c"
+);
+groups_kernel!(
+    groups_q5_0x8,
+    BlockQ5_0x8,
+    tile_nibbles_x8<BlockQ5_0x8>,
+    false,
+    "avx2,fma,f16c"
+);
+groups_kernel!(
+    groups_q5_1x8,
+    BlockQ5_1x8,
+    tile_nibbles_x8<BlockQ5_1x8>,
     false,
     "avx2,fma,f16c"
 );
@@ -198,9 +332,30 @@ groups_kernel!(
     "avx2,fma,f16c"
 );
 groups_kernel!(
+    groups_q4_0x8_vnni,
+    BlockQ4_0x8,
+    tile_nibbles_x8<BlockQ4_0x8>,
+    true,
+    "avx2,fma,f16c,avx512vnni,avx512vl"
+);
+groups_kernel!(
     groups_q4_1x8_vnni,
     BlockQ4_1x8,
-    tile_q4_1x8,
+    tile_nibbles_x8<BlockQ4_1x8>,
+    true,
+    "avx2,fma,f16c,avx512vnni,avx512vl"
+);
+groups_kernel!(
+    groups_q5_0x8_vnni,
+    BlockQ5_0x8,
+    tile_nibbles_x8<BlockQ5_0x8>,
+    true,
+    "avx2,fma,f16c,avx512vnni,avx512vl"
+);
+groups_kernel!(
+    groups_q5_1x8_vnni,
+    BlockQ5_1x8,
+    tile_nibbles_x8<BlockQ5_1x8>,
     true,
     "avx2,fma,f16c,avx512vnni,avx512vl"
 );
@@ -211,6 +366,330 @@ groups_kernel!(
     true,
     "avx2,fma,f16c,avx512vnni,avx512vl"
 );
+
+/// The eight 6-bit scales and minimums of a Q4_K or Q5_K super-block.
+#[inline(always)]
+fn scales_mins(scales: &[u8; 12]) -> ([u8; 8], [u8; 8]) {
+    let sm: [(u8, u8); 8] = std::array::from_fn(|j| quant::scale_min_k4(j, scales));
+    (sm.map(|p| p.0), sm.map(|p| p.1))
+}
+
+/// Σ m_s * (the activation sum of sub-block s), for a Q4_K or Q5_K minimum.
+#[inline(always)]
+fn min_sum(mins: &[u8; 8], a: &BlockQ8K) -> i32 {
+    (0..8)
+        .map(|s| mins[s] as i32 * (a.bsums[2 * s] as i32 + a.bsums[2 * s + 1] as i32))
+        .sum()
+}
+
+/// A weight row of K-quant super-blocks against up to four Q8_K activation
+/// rows: `out[i * ld]` for i < R. `FIVE` selects Q5_K (`w5`) over Q4_K (`w4`).
+#[inline(always)]
+unsafe fn tile_q45_k<const R: usize, const FIVE: bool>(
+    w4: &[BlockQ4K],
+    w5: &[BlockQ5K],
+    a: &[BlockQ8K],
+    kb: usize,
+    out: *mut f32,
+    ld: usize,
+) {
+    let m4 = _mm256_set1_epi8(0x0f);
+    let one = _mm256_set1_epi8(1);
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut minus = [0f32; R];
+    for b in 0..kb {
+        let (d, dmin, scales, qs, qh) = if FIVE {
+            let w = w5.get_unchecked(b);
+            (w.d, w.dmin, &w.scales, &w.qs, Some(&w.qh))
+        } else {
+            let w = w4.get_unchecked(b);
+            (w.d, w.dmin, &w.scales, &w.qs, None)
+        };
+        let (sc, mn) = scales_mins(scales);
+        let mut high = match qh {
+            Some(h) => _mm256_loadu_si256(h.as_ptr() as *const __m256i),
+            None => _mm256_setzero_si256(),
+        };
+        let mut sums = [_mm256_setzero_si256(); R];
+        for k in 0..4 {
+            let raw = _mm256_loadu_si256(qs.as_ptr().add(32 * k) as *const __m256i);
+            let mut lo = _mm256_and_si256(raw, m4);
+            let mut hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+            if FIVE {
+                // Bits 2k and 2k + 1 of each qh byte (shifted down by 2 per
+                // k; bits crossing from the upper byte are masked off).
+                let b0 = _mm256_and_si256(high, one);
+                let b1 = _mm256_and_si256(_mm256_srli_epi16(high, 1), one);
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(b0, 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(b1, 4));
+                high = _mm256_srli_epi16(high, 2);
+            }
+            let (s_lo, s_hi) = (
+                _mm256_set1_epi16(sc[2 * k] as i16),
+                _mm256_set1_epi16(sc[2 * k + 1] as i16),
+            );
+            for i in 0..R {
+                let x = a.get_unchecked(i * kb + b).qs.as_ptr().add(64 * k);
+                let x_lo = _mm256_loadu_si256(x as *const __m256i);
+                let x_hi = _mm256_loadu_si256(x.add(32) as *const __m256i);
+                let p_lo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x_lo), s_lo);
+                let p_hi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x_hi), s_hi);
+                sums[i] = _mm256_add_epi32(sums[i], _mm256_add_epi32(p_lo, p_hi));
+            }
+        }
+        let (d, dmin) = (quant::f16_to_f32(d), quant::f16_to_f32(dmin));
+        for i in 0..R {
+            let ab = a.get_unchecked(i * kb + b);
+            let dot = _mm256_cvtepi32_ps(sums[i]);
+            acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(d * ab.d), dot, acc[i]);
+            minus[i] += dmin * ab.d * min_sum(&mn, ab) as f32;
+        }
+    }
+    for i in 0..R {
+        *out.add(i * ld) = hsum(acc[i]) - minus[i];
+    }
+}
+
+/// Bits `SHIFT` and `SHIFT + 1` of each byte of `qh`, moved to bits 4 and 5
+/// (a Q6_K value's high bits).
+#[inline(always)]
+unsafe fn q6_top<const SHIFT: i32>(qh: __m256i, m2: __m256i) -> __m256i {
+    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16::<SHIFT>(qh), m2), 4)
+}
+
+/// A Q6_K weight row against up to four Q8_K activation rows.
+#[inline(always)]
+unsafe fn tile_q6_k<const R: usize>(
+    w: &[BlockQ6K],
+    a: &[BlockQ8K],
+    kb: usize,
+    out: *mut f32,
+    ld: usize,
+) {
+    let m4 = _mm256_set1_epi8(0x0f);
+    let m2 = _mm256_set1_epi8(3);
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut minus = [0f32; R];
+    for (b, wb) in w.iter().enumerate() {
+        let mut sums = [_mm256_setzero_si256(); R];
+        for h in 0..2 {
+            let ql0 = _mm256_loadu_si256(wb.ql.as_ptr().add(64 * h) as *const __m256i);
+            let ql1 = _mm256_loadu_si256(wb.ql.as_ptr().add(64 * h + 32) as *const __m256i);
+            let qh = _mm256_loadu_si256(wb.qh.as_ptr().add(32 * h) as *const __m256i);
+            // Elements 128 h + 32 k + l, k = 0..4, as unsigned 6-bit values.
+            let q = [
+                _mm256_or_si256(_mm256_and_si256(ql0, m4), q6_top::<0>(qh, m2)),
+                _mm256_or_si256(_mm256_and_si256(ql1, m4), q6_top::<2>(qh, m2)),
+                _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                    q6_top::<4>(qh, m2),
+                ),
+                _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                    q6_top::<6>(qh, m2),
+                ),
+            ];
+            for (k, q) in q.iter().enumerate() {
+                // Scales of the two groups of 16, one per 128-bit lane.
+                let g = 8 * h + 2 * k;
+                let s = _mm256_set_m128i(
+                    _mm_set1_epi16(wb.scales[g + 1] as i16),
+                    _mm_set1_epi16(wb.scales[g] as i16),
+                );
+                for i in 0..R {
+                    let x = a
+                        .get_unchecked(i * kb + b)
+                        .qs
+                        .as_ptr()
+                        .add(128 * h + 32 * k);
+                    let x = _mm256_loadu_si256(x as *const __m256i);
+                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(*q, x), s);
+                    sums[i] = _mm256_add_epi32(sums[i], p);
+                }
+            }
+        }
+        let d = quant::f16_to_f32(wb.d);
+        for i in 0..R {
+            let ab = a.get_unchecked(i * kb + b);
+            // The values are stored offset by 32.
+            let offset: i32 = (0..16)
+                .map(|g| wb.scales[g] as i32 * ab.bsums[g] as i32)
+                .sum();
+            acc[i] = _mm256_fmadd_ps(
+                _mm256_set1_ps(d * ab.d),
+                _mm256_cvtepi32_ps(sums[i]),
+                acc[i],
+            );
+            minus[i] += d * ab.d * (32 * offset) as f32;
+        }
+    }
+    for i in 0..R {
+        *out.add(i * ld) = hsum(acc[i]) - minus[i];
+    }
+}
+
+/// Runs `body` for tiles of activation rows `0..n` (`count` rows from `i`:
+/// fours, then the remainder) for each weight row `r` of `rows`, tile by tile
+/// of `TILE` activation rows so that those stay in L1. A macro rather than a
+/// function taking a closure, so the body is compiled with the caller's
+/// target features.
+macro_rules! row_tiles {
+    ($n:expr, $rows:expr, |$count:ident, $i:ident, $r:ident| $body:block) => {{
+        let mut t0 = 0;
+        while t0 < $n {
+            let t1 = (t0 + TILE).min($n);
+            for $r in $rows.clone() {
+                let mut $i = t0;
+                while $i + 4 <= t1 {
+                    let $count = 4;
+                    $body
+                    $i += 4;
+                }
+                if $i < t1 {
+                    let $count = t1 - $i;
+                    $body
+                }
+            }
+            t0 = t1;
+        }
+    }};
+}
+
+macro_rules! k_kernel {
+    ($name:ident, $block:ty, |$w:ident, $a:ident, $kb:ident, $o:ident, $ld:ident, $R:ident| $tile:expr) => {
+        /// Weight rows `rows` of a matrix of K-quant super-blocks (`kb` per
+        /// row) against all `n` Q8_K activation rows of `a`:
+        /// `out[i * ld + r]` for i < n, r in `rows`.
+        ///
+        /// # Safety
+        /// The CPU must have AVX2, FMA and F16C; `w` holds the rows, `a`
+        /// holds `n * kb` blocks, and `out` is valid for those writes.
+        #[allow(clippy::too_many_arguments)]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub unsafe fn $name(
+            w: &[$block],
+            kb: usize,
+            rows: Range<usize>,
+            a: &[BlockQ8K],
+            n: usize,
+            out: *mut f32,
+            ld: usize,
+        ) {
+            row_tiles!(n, rows, |count, i, r| {
+                let $w = w.get_unchecked(r * kb..(r + 1) * kb);
+                let ($a, $kb, $o, $ld) = (&a[i * kb..], kb, out.add(i * ld + r), ld);
+                match count {
+                    4 => {
+                        const $R: usize = 4;
+                        $tile
+                    }
+                    3 => {
+                        const $R: usize = 3;
+                        $tile
+                    }
+                    2 => {
+                        const $R: usize = 2;
+                        $tile
+                    }
+                    _ => {
+                        const $R: usize = 1;
+                        $tile
+                    }
+                }
+            });
+        }
+    };
+}
+
+k_kernel!(rows_q4_k, BlockQ4K, |w, a, kb, o, ld, R| {
+    tile_q45_k::<R, false>(w, &[], a, kb, o, ld)
+});
+k_kernel!(rows_q5_k, BlockQ5K, |w, a, kb, o, ld, R| {
+    tile_q45_k::<R, true>(&[], w, a, kb, o, ld)
+});
+k_kernel!(rows_q6_k, BlockQ6K, |w, a, kb, o, ld, R| {
+    tile_q6_k::<R>(w, a, kb, o, ld)
+});
+
+/// A float weight format: eight weights as f32.
+pub trait FloatWeights: Copy {
+    /// Eight weights from `p`.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and F16C; `p` is valid for eight reads.
+    unsafe fn load8(p: *const Self) -> __m256;
+}
+
+impl FloatWeights for F16Bits {
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> __m256 {
+        _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+    }
+}
+impl FloatWeights for Bf16Bits {
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> __m256 {
+        let wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i));
+        _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16))
+    }
+}
+impl FloatWeights for f32 {
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> __m256 {
+        _mm256_loadu_ps(p)
+    }
+}
+
+#[inline(always)]
+unsafe fn tile_float<W: FloatWeights, const R: usize>(
+    w: &[W],
+    a: &[f32],
+    cols: usize,
+    out: *mut f32,
+    ld: usize,
+) {
+    let mut acc = [_mm256_setzero_ps(); R];
+    for j in (0..cols).step_by(8) {
+        let wv = W::load8(w.as_ptr().add(j));
+        for i in 0..R {
+            acc[i] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(a.as_ptr().add(i * cols + j)), acc[i]);
+        }
+    }
+    for i in 0..R {
+        *out.add(i * ld) = hsum(acc[i]);
+    }
+}
+
+/// Weight rows `rows` of a float matrix (`cols` values per row, a multiple
+/// of 8) against all `n` float activation rows of `a`: `out[i * ld + r]`.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; `w` holds the rows, `a` holds
+/// `n * cols` values, and `out` is valid for those writes.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn rows_float<W: FloatWeights>(
+    w: &[W],
+    cols: usize,
+    rows: Range<usize>,
+    a: &[f32],
+    n: usize,
+    out: *mut f32,
+    ld: usize,
+) {
+    row_tiles!(n, rows, |count, i, r| {
+        let (wr, ar, o) = (
+            &w[r * cols..(r + 1) * cols],
+            &a[i * cols..],
+            out.add(i * ld + r),
+        );
+        match count {
+            4 => tile_float::<W, 4>(wr, ar, cols, o, ld),
+            3 => tile_float::<W, 3>(wr, ar, cols, o, ld),
+            2 => tile_float::<W, 2>(wr, ar, cols, o, ld),
+            _ => tile_float::<W, 1>(wr, ar, cols, o, ld),
+        }
+    });
+}
 
 /// True when this CPU runs the kernels above.
 pub fn supported() -> bool {
