@@ -172,13 +172,16 @@ fn vector<R: Read + Seek>(
     read_vector(content, reader, name)?.ok_or_else(|| ModelError::MissingTensor(name.to_string()))
 }
 
+/// Reads a layer's 1-D tensor by name, checked to have a length.
+type VectorReader<'a> = dyn FnMut(&str, usize) -> Result<Vec<f32>, ModelError> + 'a;
+
 /// The q, k and v biases of a layer, in the order of its qkv output: one
 /// `attn_qkv.bias`, or any of `attn_q.bias`, `attn_k.bias` and `attn_v.bias`
 /// (zeros for one that is missing); None where the layer has none (llama
 /// files, usually) or all are missing.
 fn qkv_bias(
     has: &dyn Fn(&str) -> bool,
-    v: &mut dyn FnMut(&str, usize) -> Result<Vec<f32>, ModelError>,
+    v: &mut VectorReader<'_>,
     q_dim: usize,
     kv_dim: usize,
 ) -> Result<Option<Vec<f32>>, ModelError> {
