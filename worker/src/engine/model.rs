@@ -271,7 +271,9 @@ impl LlamaConfig {
         let d = self.head_dim as f32;
         (0..self.head_dim / 2)
             .map(|i| {
-                let f = self.rope_theta.powf(-2.0 * i as f32 / d);
+                // As the frequencies were computed before scaling existed,
+                // to the bit, where nothing scales them.
+                let f = 1.0 / self.rope_theta.powf(2.0 * i as f32 / d);
                 let ff = factors.map_or(1.0, |v| v[i]);
                 self.rope_freq_scale * f / ff
             })
