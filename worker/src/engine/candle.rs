@@ -12,7 +12,10 @@
 //! Weights are dequantized to f32 at load: candle's quantized kernels do not
 //! batch, and on a GPU the dequantized weights cost memory, not speed.
 use super::kv::{KvCache, KvPool};
-use super::model::{check_step, LlamaConfig, ModelError, SeqStep};
+use super::model::{
+    check_dims, check_step, check_tensor_data, check_unimplemented, read_rope_frequencies, Arch,
+    LlamaConfig, ModelError, SeqStep,
+};
 use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device, Tensor};
 use std::io::{Read, Seek};
@@ -21,6 +24,10 @@ struct Layer {
     attn_norm: Tensor,
     /// q, k and v projections fused into one (q + 2 kv, hidden) matrix.
     wqkv: Tensor,
+    /// Their biases, (q + 2 kv) values (qwen2).
+    qkv_bias: Option<Tensor>,
+    /// RMS norm weights of each query head and each key head (qwen3).
+    qk_norm: Option<(Tensor, Tensor)>,
     wo: Tensor,
     ffn_norm: Tensor,
     /// gate and up projections fused into one (2 ffn, hidden) matrix.
@@ -29,27 +36,27 @@ struct Layer {
     ffn: usize,
 }
 
-/// A llama model ready to run.
+/// A model of one of the llama-family architectures, ready to run.
 pub struct CandleLlama {
     cfg: LlamaConfig,
     embed: Tensor,
     layers: Vec<Layer>,
     norm: Tensor,
     lm_head: Tensor,
-    cos: Tensor,
-    sin: Tensor,
+    /// Rotary frequencies, head_dim / 2 of them.
+    inv_freq: Vec<f32>,
     device: Device,
 }
 
+/// Tensor `name`, checked to have `dims`, dequantized to f32 on `device`.
 fn tensor<R: Read + Seek>(
     content: &gguf_file::Content,
     reader: &mut R,
     name: &str,
+    dims: &[usize],
     device: &Device,
 ) -> Result<Tensor, ModelError> {
-    if !content.tensor_infos.contains_key(name) {
-        return Err(ModelError::MissingTensor(name.to_string()));
-    }
+    check_dims(content, name, dims)?;
     Ok(content
         .tensor(reader, name, device)?
         .dequantize(device)?
@@ -64,39 +71,107 @@ impl CandleLlama {
         device: &Device,
     ) -> Result<Self, ModelError> {
         let cfg = LlamaConfig::from_gguf(content)?;
-        let embed = tensor(content, reader, "token_embd.weight", device)?;
+        check_tensor_data(content, reader)?;
+        check_unimplemented(content)?;
+        let (hidden, ffn, hd) = (cfg.hidden, cfg.ffn, cfg.head_dim);
+        let (q_dim, kv_dim) = (cfg.q_dim(), cfg.kv_dim());
+        let embed = tensor(
+            content,
+            reader,
+            "token_embd.weight",
+            &[cfg.vocab_size, hidden],
+            device,
+        )?;
         let mut layers = Vec::with_capacity(cfg.n_layer);
         for i in 0..cfg.n_layer {
-            let mut t = |n: &str| tensor(content, reader, &format!("blk.{i}.{n}.weight"), device);
-            let (wq, wk, wv) = (t("attn_q")?, t("attn_k")?, t("attn_v")?);
-            let (gate, up) = (t("ffn_gate")?, t("ffn_up")?);
-            let ffn = gate.dim(0)?;
+            let mut t = |n: &str, dims: &[usize]| {
+                tensor(content, reader, &format!("blk.{i}.{n}"), dims, device)
+            };
+            let has = |n: &str| content.tensor_infos.contains_key(&format!("blk.{i}.{n}"));
+            // q, k and v in one matrix (phi3 files), or three.
+            let wqkv = if has("attn_qkv.weight") {
+                t("attn_qkv.weight", &[q_dim + 2 * kv_dim, hidden])?
+            } else {
+                Tensor::cat(
+                    &[
+                        t("attn_q.weight", &[q_dim, hidden])?,
+                        t("attn_k.weight", &[kv_dim, hidden])?,
+                        t("attn_v.weight", &[kv_dim, hidden])?,
+                    ],
+                    0,
+                )?
+            };
+            // gate and up in one matrix, the gate's rows first (phi3), or two.
+            let w_gate_up = if has("ffn_gate.weight") {
+                Tensor::cat(
+                    &[
+                        t("ffn_gate.weight", &[ffn, hidden])?,
+                        t("ffn_up.weight", &[ffn, hidden])?,
+                    ],
+                    0,
+                )?
+            } else {
+                t("ffn_up.weight", &[2 * ffn, hidden])?
+            };
+            // The biases where the file has them (qwen2), zeros for a
+            // missing one of three.
+            let qkv_bias = if has("attn_qkv.bias") {
+                Some(t("attn_qkv.bias", &[q_dim + 2 * kv_dim])?)
+            } else {
+                let parts = [
+                    ("attn_q.bias", q_dim),
+                    ("attn_k.bias", kv_dim),
+                    ("attn_v.bias", kv_dim),
+                ];
+                if parts.iter().any(|(n, _)| has(n)) {
+                    let mut all = Vec::with_capacity(3);
+                    for (n, len) in parts {
+                        all.push(if has(n) {
+                            t(n, &[len])?
+                        } else {
+                            Tensor::zeros(len, DType::F32, device)?
+                        });
+                    }
+                    Some(Tensor::cat(&all, 0)?)
+                } else {
+                    None
+                }
+            };
+            let qk_norm = match cfg.arch {
+                Arch::Qwen3 => Some((
+                    t("attn_q_norm.weight", &[hd])?,
+                    t("attn_k_norm.weight", &[hd])?,
+                )),
+                _ => None,
+            };
             layers.push(Layer {
-                attn_norm: t("attn_norm")?,
-                wqkv: Tensor::cat(&[wq, wk, wv], 0)?,
-                wo: t("attn_output")?,
-                ffn_norm: t("ffn_norm")?,
-                w_gate_up: Tensor::cat(&[gate, up], 0)?,
-                w_down: t("ffn_down")?,
+                attn_norm: t("attn_norm.weight", &[hidden])?,
+                wqkv,
+                qkv_bias,
+                qk_norm,
+                wo: t("attn_output.weight", &[hidden, q_dim])?,
+                ffn_norm: t("ffn_norm.weight", &[hidden])?,
+                w_gate_up,
+                w_down: t("ffn_down.weight", &[hidden, ffn])?,
                 ffn,
             });
         }
-        let norm = tensor(content, reader, "output_norm.weight", device)?;
+        let norm = tensor(content, reader, "output_norm.weight", &[hidden], device)?;
         // Tied embeddings (as in SmolLM2) have no separate output matrix.
-        let lm_head = match tensor(content, reader, "output.weight", device) {
-            Ok(t) => t,
-            Err(ModelError::MissingTensor(_)) => embed.clone(),
-            Err(e) => return Err(e),
+        let lm_head = if content.tensor_infos.contains_key("output.weight") {
+            let dims = [cfg.vocab_size, hidden];
+            tensor(content, reader, "output.weight", &dims, device)?
+        } else {
+            embed.clone()
         };
-        let (cos, sin) = rope_tables(&cfg, device)?;
+        let inv_freq = read_rope_frequencies(&cfg, content, reader)?;
         Ok(Self {
             cfg,
             embed,
             layers,
             norm,
             lm_head,
-            cos,
-            sin,
+            inv_freq,
             device: device.clone(),
         })
     }
@@ -131,7 +206,10 @@ impl CandleLlama {
         let (q_dim, kv_dim) = (cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim);
         for (li, layer) in self.layers.iter().enumerate() {
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, cfg.rms_eps as f32)?;
-            let qkv = h.matmul(&layer.wqkv.t()?)?;
+            let mut qkv = h.matmul(&layer.wqkv.t()?)?;
+            if let Some(bias) = &layer.qkv_bias {
+                qkv = qkv.broadcast_add(bias)?;
+            }
             let mut outs = Vec::with_capacity(batch.len());
             let mut row = 0;
             for (s, slots) in batch.iter().zip(&slots) {
@@ -141,7 +219,7 @@ impl CandleLlama {
                 let q = part.narrow(1, 0, q_dim)?;
                 let k = part.narrow(1, q_dim, kv_dim)?;
                 let v = part.narrow(1, q_dim + kv_dim, kv_dim)?;
-                outs.push(self.attention(pool, q, k, v, li, s.cache, slots)?);
+                outs.push(self.attention(pool, layer, q, k, v, li, s.cache, slots)?);
             }
             let attn = Tensor::cat(&outs, 0)?;
             x = (x + attn.matmul(&layer.wo.t()?)?)?;
@@ -171,6 +249,7 @@ impl CandleLlama {
     fn attention(
         &self,
         pool: &KvPool,
+        weights: &Layer,
         q: Tensor,
         k: Tensor,
         v: Tensor,
@@ -185,10 +264,21 @@ impl CandleLlama {
         let to_heads = |t: Tensor, heads: usize| -> candle_core::Result<Tensor> {
             t.reshape((1, n, heads, hd))?.transpose(1, 2)?.contiguous()
         };
-        let cos = self.cos.narrow(0, pos, n)?;
-        let sin = self.sin.narrow(0, pos, n)?;
-        let q = candle_nn::rotary_emb::rope_i(&to_heads(q, cfg.n_head)?, &cos, &sin)?;
-        let k = candle_nn::rotary_emb::rope_i(&to_heads(k, cfg.n_kv_head)?, &cos, &sin)?;
+        let (cos, sin) = self.rotation(pos, n)?;
+        let (mut q, mut k) = (to_heads(q, cfg.n_head)?, to_heads(k, cfg.n_kv_head)?);
+        if let Some((qn, kn)) = &weights.qk_norm {
+            let eps = cfg.rms_eps as f32;
+            q = candle_nn::ops::rms_norm(&q, qn, eps)?;
+            k = candle_nn::ops::rms_norm(&k, kn, eps)?;
+        }
+        type Rope = fn(&Tensor, &Tensor, &Tensor) -> candle_core::Result<Tensor>;
+        let rope: Rope = if cfg.arch.rope_halves() {
+            candle_nn::rotary_emb::rope
+        } else {
+            candle_nn::rotary_emb::rope_i
+        };
+        let q = rope(&q, &cos, &sin)?;
+        let k = rope(&k, &cos, &sin)?;
         // The pool stores rotated keys token-major, (n, kv_dim).
         let kv_dim = cfg.n_kv_head * hd;
         let k_rows = k.squeeze(0)?.transpose(0, 1)?.reshape((n, kv_dim))?;
@@ -225,25 +315,28 @@ impl CandleLlama {
         Ok(out)
     }
 
+    /// cos and sin, (n, head_dim / 2), of positions pos..pos + n (computed
+    /// per step: a table over the whole context would grow with it).
+    fn rotation(&self, pos: usize, n: usize) -> Result<(Tensor, Tensor), ModelError> {
+        let half = self.inv_freq.len();
+        let (mut cos, mut sin) = (Vec::with_capacity(n * half), Vec::with_capacity(n * half));
+        for p in pos..pos + n {
+            for f in &self.inv_freq {
+                let a = p as f32 * f;
+                cos.push(a.cos());
+                sin.push(a.sin());
+            }
+        }
+        Ok((
+            Tensor::from_vec(cos, (n, half), &self.device)?,
+            Tensor::from_vec(sin, (n, half), &self.device)?,
+        ))
+    }
+
     /// Embedding row count (the vocabulary size).
     pub fn vocab_size(&self) -> usize {
         self.cfg.vocab_size
     }
-}
-
-/// cos/sin tables for interleaved rotary embeddings (GGUF llama weights are
-/// permuted for the interleaved form, which is why `rope_i` is used).
-fn rope_tables(cfg: &LlamaConfig, device: &Device) -> Result<(Tensor, Tensor), ModelError> {
-    let half = cfg.head_dim / 2;
-    let inv: Vec<f32> = (0..half)
-        .map(|i| 1.0 / cfg.rope_theta.powf(2.0 * i as f32 / cfg.head_dim as f32))
-        .collect();
-    let inv = Tensor::from_vec(inv, (1, half), device)?;
-    let t = Tensor::arange(0u32, cfg.context_length as u32, device)?
-        .to_dtype(DType::F32)?
-        .reshape((cfg.context_length, 1))?;
-    let freqs = t.broadcast_mul(&inv)?;
-    Ok((freqs.cos()?, freqs.sin()?))
 }
 
 /// (n, pos + n) additive mask: row i (absolute position pos + i) sees columns 0..=pos + i.

@@ -38,6 +38,16 @@ pub enum LoadError {
         path: PathBuf,
         source: candle_core::Error,
     },
+    #[error(
+        "{path}: tensor {tensor} is stored as {kind}, a weight type tokenmesh does not read \
+         (supported: {})",
+        model::SUPPORTED_WEIGHT_TYPES
+    )]
+    WeightType {
+        path: PathBuf,
+        tensor: String,
+        kind: String,
+    },
     #[error(transparent)]
     Model(#[from] ModelError),
     #[error(transparent)]
@@ -76,10 +86,27 @@ impl LoadedModel {
         let mut file = std::fs::File::open(path).map_err(io)?;
         let digest = sha256(&mut file).map_err(io)?;
         file.seek(SeekFrom::Start(0)).map_err(io)?;
-        let content = gguf_file::Content::read(&mut file).map_err(|source| LoadError::Gguf {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let content = match gguf_file::Content::read(&mut file) {
+            Ok(c) => c,
+            Err(source) => {
+                // A weight type the reader does not know fails the header;
+                // name it, rather than the reader's number.
+                if let Some((tensor, kind)) = model::unsupported_weight_type(&mut file) {
+                    return Err(LoadError::WeightType {
+                        path: path.to_path_buf(),
+                        tensor,
+                        kind,
+                    });
+                }
+                return Err(LoadError::Gguf {
+                    path: path.to_path_buf(),
+                    source,
+                });
+            }
+        };
+        // The architecture and shape first: a file the worker cannot run is
+        // refused with that reason, before its tokenizer is built.
+        model::LlamaConfig::from_gguf(&content)?;
         let tokenizer = GgufTokenizer::from_gguf(&content)?;
         let template =
             ChatTemplate::from_gguf(&content, tokenizer.bos_token(), tokenizer.eos_token())?;

@@ -1,5 +1,5 @@
-//! What every model backend and the scheduler share: the llama shape read
-//! from GGUF metadata, the model's errors, one sequence's share of a step and
+//! What every model backend and the scheduler share: the model's shape and
+//! architecture read from GGUF metadata, checks of the file's tensors, the model's errors, one sequence's share of a step and
 //! the logits it yields, and [`StepModel`], the contract through which the
 //! scheduler drives a model (the real one, or the synthetic engine).
 use super::kv::{KvCache, KvPool, KvShape};
@@ -14,9 +14,16 @@ pub enum ModelError {
     /// A tensor the architecture needs is missing.
     #[error("model tensor {0} is missing")]
     MissingTensor(String),
-    /// The file is not a llama-architecture model.
-    #[error("unsupported architecture {0:?} (tokenmesh runs llama-architecture GGUF models)")]
-    Architecture(String),
+    /// The file's architecture is not one the worker runs.
+    #[error(
+        "unsupported architecture {found:?}: tokenmesh runs GGUF models of the {} architectures",
+        Arch::SUPPORTED
+    )]
+    Architecture { found: String },
+    /// The file asks for something of a supported architecture that the
+    /// worker does not implement (a rope scaling, a partial rotation).
+    #[error("unsupported model feature: {0}")]
+    Unsupported(String),
     /// A tensor has a shape the backend cannot run.
     #[error("model tensor {name}: {why}")]
     Shape { name: String, why: String },
@@ -32,84 +39,383 @@ pub enum ModelError {
     Candle(#[from] candle_core::Error),
 }
 
-/// Shape of a llama model, read from GGUF metadata.
+/// The model architectures the worker runs (GGUF `general.architecture`).
+/// They share the llama block (RMS norms, rotary attention with grouped
+/// keys and values, a SiLU-gated feed-forward block) and differ in details.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arch {
+    /// Llama 2/3.x, Mistral, TinyLlama, SmolLM: the plain block.
+    Llama,
+    /// Qwen 2/2.5: biases on the query, key and value projections.
+    Qwen2,
+    /// Qwen 3: an RMS norm over each query and key head before the rotation.
+    Qwen3,
+    /// Phi-3: fused qkv and gate-up matrices.
+    Phi3,
+}
+
+impl Arch {
+    /// The names, for messages.
+    pub const SUPPORTED: &'static str = "llama, qwen2, qwen3 and phi3";
+
+    /// The architecture named `name` in GGUF metadata, if supported.
+    pub fn from_name(name: &str) -> Option<Self> {
+        Some(match name {
+            "llama" => Self::Llama,
+            "qwen2" => Self::Qwen2,
+            "qwen3" => Self::Qwen3,
+            "phi3" => Self::Phi3,
+            _ => return None,
+        })
+    }
+
+    /// The GGUF name, which also prefixes the architecture's metadata keys.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Llama => "llama",
+            Self::Qwen2 => "qwen2",
+            Self::Qwen3 => "qwen3",
+            Self::Phi3 => "phi3",
+        }
+    }
+
+    /// Whether the rotation pairs dimension i with i + head_dim / 2 (what
+    /// llama.cpp calls NEOX) rather than with i + 1: llama GGUF files have
+    /// their query and key rows permuted for adjacent pairs, the others are
+    /// stored as trained, in halves.
+    pub fn rope_halves(self) -> bool {
+        !matches!(self, Self::Llama)
+    }
+}
+
+/// Largest context a file may declare: beyond any real model's, and small
+/// enough that per-position tables stay bounded.
+const MAX_CONTEXT: usize = 1 << 24;
+
+/// Shape of a model of one of the [`Arch`]itectures, read from GGUF metadata.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LlamaConfig {
+    pub arch: Arch,
     pub n_layer: usize,
     pub n_head: usize,
     pub n_kv_head: usize,
+    /// Width of one query, key or value head (not always hidden / n_head:
+    /// Qwen 3 sets it apart).
     pub head_dim: usize,
     pub hidden: usize,
+    /// Width of the feed-forward block.
+    pub ffn: usize,
     pub rms_eps: f64,
     pub rope_theta: f32,
+    /// Linear rope scaling: positions are multiplied by this (1 / the
+    /// file's `rope.scaling.factor`).
+    pub rope_freq_scale: f32,
     pub context_length: usize,
     pub vocab_size: usize,
 }
 
 impl LlamaConfig {
-    /// Reads the `{arch}.*` keys of a llama-architecture GGUF file.
+    /// Reads the `{arch}.*` keys of a GGUF file of a supported architecture,
+    /// checked against the embedding's shape and the file's tensor count.
     pub fn from_gguf(content: &gguf_file::Content) -> Result<Self, ModelError> {
         let md = &content.metadata;
-        let arch = md
+        let found = md
             .get("general.architecture")
             .and_then(|v| v.to_string().ok())
             .cloned()
             .unwrap_or_default();
-        if arch != "llama" {
-            return Err(ModelError::Architecture(arch));
-        }
-        let get = |key: &str| -> Result<&gguf_file::Value, ModelError> {
-            md.get(&format!("llama.{key}"))
-                .ok_or_else(|| ModelError::Metadata(format!("llama.{key} is missing")))
+        let arch = Arch::from_name(&found).ok_or(ModelError::Architecture { found })?;
+        let prefix = arch.name();
+        let key = |k: &str| format!("{prefix}.{k}");
+        let get = |k: &str| -> Result<&gguf_file::Value, ModelError> {
+            md.get(&key(k))
+                .ok_or_else(|| ModelError::Metadata(format!("{} is missing", key(k))))
         };
-        let int = |key: &str| -> Result<usize, ModelError> {
-            let v = get(key)?;
+        let int = |k: &str| -> Result<usize, ModelError> {
+            let v = get(k)?;
             v.to_u32()
                 .map(|x| x as usize)
                 .or_else(|_| v.to_u64().map(|x| x as usize))
-                .map_err(|e| ModelError::Metadata(format!("llama.{key}: {e}")))
+                .or_else(|_| v.to_i32().map(|x| x.max(0) as usize))
+                .map_err(|e| ModelError::Metadata(format!("{}: {e}", key(k))))
+        };
+        let float = |k: &str| -> Option<f32> {
+            md.get(&key(k)).and_then(|v| {
+                v.to_f32()
+                    .ok()
+                    .or_else(|| v.to_f64().ok().map(|x| x as f32))
+            })
         };
         let hidden = int("embedding_length")?;
         let n_head = int("attention.head_count")?;
         let n_kv_head = int("attention.head_count_kv").unwrap_or(n_head);
-        let rms_eps = get("attention.layer_norm_rms_epsilon")?
-            .to_f32()
-            .map_err(|e| ModelError::Metadata(e.to_string()))? as f64;
-        let rope_theta = get("rope.freq_base")
-            .ok()
-            .and_then(|v| v.to_f32().ok())
-            .unwrap_or(10_000.0);
-        let head_dim = int("rope.dimension_count").unwrap_or(hidden / n_head);
+        let rms_eps = float("attention.layer_norm_rms_epsilon").ok_or_else(|| {
+            ModelError::Metadata(format!(
+                "{} is missing or not a number",
+                key("attention.layer_norm_rms_epsilon")
+            ))
+        })? as f64;
+        let rope_theta = float("rope.freq_base").unwrap_or(10_000.0);
+        if n_head == 0 || n_kv_head == 0 || n_head % n_kv_head != 0 {
+            return Err(ModelError::Metadata(format!(
+                "inconsistent heads: {n_head} heads, {n_kv_head} kv heads"
+            )));
+        }
+        let head_dim = int("attention.key_length").unwrap_or(hidden / n_head);
+        let value_dim = int("attention.value_length").unwrap_or(head_dim);
+        if value_dim != head_dim {
+            return Err(ModelError::Unsupported(format!(
+                "value heads of {value_dim} against key heads of {head_dim}"
+            )));
+        }
+        if head_dim == 0 || head_dim % 2 != 0 {
+            return Err(ModelError::Metadata(format!(
+                "head width {head_dim} (it must be even and above 0)"
+            )));
+        }
+        let n_rot = int("rope.dimension_count").unwrap_or(head_dim);
+        if n_rot != head_dim {
+            return Err(ModelError::Unsupported(format!(
+                "a rotation of {n_rot} of each head's {head_dim} dimensions (only whole heads \
+                 are rotated here)"
+            )));
+        }
+        let scaling = md
+            .get(&key("rope.scaling.type"))
+            .and_then(|v| v.to_string().ok())
+            .map_or("none", |s| s.as_str());
+        if !matches!(scaling, "none" | "linear") {
+            return Err(ModelError::Unsupported(format!(
+                "rope scaling {scaling:?} (supported: none, linear, and Llama 3.1's \
+                 rope_freqs.weight)"
+            )));
+        }
+        let factor = float("rope.scaling.factor").unwrap_or(0.0);
+        let rope_freq_scale = if factor > 0.0 { 1.0 / factor } else { 1.0 };
+
         let embd = content
             .tensor_infos
             .get("token_embd.weight")
             .ok_or_else(|| ModelError::MissingTensor("token_embd.weight".into()))?;
-        let vocab_size = embd.shape.dims()[0];
-        if n_kv_head == 0 || n_head % n_kv_head != 0 || head_dim * n_head != hidden {
+        let &[vocab_size, embd_width] = embd.shape.dims() else {
+            return Err(ModelError::Shape {
+                name: "token_embd.weight".into(),
+                why: format!("shape {:?}, expected 2 dimensions", embd.shape.dims()),
+            });
+        };
+        if embd_width != hidden || vocab_size == 0 {
+            return Err(ModelError::Shape {
+                name: "token_embd.weight".into(),
+                why: format!(
+                    "shape ({vocab_size}, {embd_width}) against {} of {hidden}",
+                    key("embedding_length")
+                ),
+            });
+        }
+        let n_layer = int("block_count")?;
+        // Every layer has several tensors: a count beyond the file's tensors
+        // is corrupt metadata (and would size the layer list).
+        if n_layer == 0 || n_layer > content.tensor_infos.len() {
             return Err(ModelError::Metadata(format!(
-                "inconsistent heads: {n_head} heads, {n_kv_head} kv heads, hidden {hidden}"
+                "{} of {n_layer} in a file of {} tensors",
+                key("block_count"),
+                content.tensor_infos.len()
+            )));
+        }
+        let context_length = int("context_length")?;
+        if context_length == 0 || context_length > MAX_CONTEXT {
+            return Err(ModelError::Metadata(format!(
+                "{} of {context_length} (it must be between 1 and {MAX_CONTEXT})",
+                key("context_length")
             )));
         }
         Ok(Self {
-            n_layer: int("block_count")?,
+            arch,
+            n_layer,
             n_head,
             n_kv_head,
             head_dim,
             hidden,
+            ffn: int("feed_forward_length")?,
             rms_eps,
             rope_theta,
-            context_length: int("context_length")?,
+            rope_freq_scale,
+            context_length,
             vocab_size,
         })
+    }
+
+    /// Width of a row of queries (all heads).
+    pub fn q_dim(&self) -> usize {
+        self.n_head * self.head_dim
+    }
+
+    /// Width of a row of keys (all kv heads), and of values.
+    pub fn kv_dim(&self) -> usize {
+        self.n_kv_head * self.head_dim
     }
 
     /// The shape of one token's keys and values in the KV cache.
     pub fn kv_shape(&self) -> KvShape {
         KvShape {
             layers: self.n_layer,
-            kv_dim: self.n_kv_head * self.head_dim,
+            kv_dim: self.kv_dim(),
         }
     }
+
+    /// The rotary frequencies, head_dim / 2 of them: `rope_theta^(-2i/d)`,
+    /// divided by the file's per-dimension `factors` where it has them
+    /// (Llama 3.1+'s `rope_freqs.weight`) and scaled linearly, as llama.cpp
+    /// computes them.
+    pub fn rope_frequencies(&self, factors: Option<&[f32]>) -> Vec<f32> {
+        let d = self.head_dim as f32;
+        (0..self.head_dim / 2)
+            .map(|i| {
+                // As the frequencies were computed before scaling existed,
+                // to the bit, where nothing scales them.
+                let f = 1.0 / self.rope_theta.powf(2.0 * i as f32 / d);
+                let ff = factors.map_or(1.0, |v| v[i]);
+                self.rope_freq_scale * f / ff
+            })
+            .collect()
+    }
+}
+
+/// Checks that tensor `name` is in the file with `dims` (rows first, as candle reports
+/// GGUF shapes).
+pub fn check_dims(
+    content: &gguf_file::Content,
+    name: &str,
+    dims: &[usize],
+) -> Result<(), ModelError> {
+    let info = content
+        .tensor_infos
+        .get(name)
+        .ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
+    if info.shape.dims() != dims {
+        return Err(ModelError::Shape {
+            name: name.to_string(),
+            why: format!("shape {:?}, expected {dims:?}", info.shape.dims()),
+        });
+    }
+    Ok(())
+}
+
+/// Checks every tensor's stored bytes lie inside the file that `reader`
+/// reads, before anything is allocated for them: a truncated file, or one
+/// whose header declares a huge tensor, is refused here.
+pub fn check_tensor_data<R: std::io::Seek>(
+    content: &gguf_file::Content,
+    reader: &mut R,
+) -> Result<(), ModelError> {
+    let file_len = reader
+        .seek(std::io::SeekFrom::End(0))
+        .map_err(|e| ModelError::Backend(format!("reading the model file: {e}")))?;
+    for (name, info) in &content.tensor_infos {
+        let dtype = info.ggml_dtype;
+        let elems = info
+            .shape
+            .dims()
+            .iter()
+            .try_fold(1u64, |acc, &d| acc.checked_mul(d as u64));
+        let bytes = elems.and_then(|n| {
+            (n % dtype.block_size() as u64 == 0)
+                .then(|| (n / dtype.block_size() as u64).checked_mul(dtype.type_size() as u64))
+                .flatten()
+        });
+        let end = bytes.and_then(|b| {
+            content
+                .tensor_data_offset
+                .checked_add(info.offset)?
+                .checked_add(b)
+        });
+        match end {
+            Some(end) if end <= file_len => {}
+            _ => {
+                return Err(ModelError::Shape {
+                    name: name.clone(),
+                    why: format!(
+                        "{:?} {dtype:?} at offset {} does not fit in the file of {file_len} \
+                         bytes (truncated or corrupt)",
+                        info.shape.dims(),
+                        info.offset
+                    ),
+                })
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Tensors some files of these architectures carry that the worker does not
+/// implement; a file with one is refused rather than run without it.
+const UNIMPLEMENTED_TENSORS: &[(&str, &str)] = &[
+    ("output.bias", "an output bias"),
+    (
+        "rope_factors_long.weight",
+        "LongRoPE scaling (128k-context Phi-3)",
+    ),
+    (
+        "rope_factors_short.weight",
+        "LongRoPE scaling (128k-context Phi-3)",
+    ),
+    ("blk.0.attn_output.bias", "an attention output bias"),
+    ("blk.0.ffn_gate.bias", "feed-forward biases"),
+    ("blk.0.ffn_up.bias", "feed-forward biases"),
+    ("blk.0.ffn_down.bias", "feed-forward biases"),
+    ("blk.0.ffn_gate_inp.weight", "mixture-of-experts layers"),
+];
+
+/// Refuses a file with a tensor of [`UNIMPLEMENTED_TENSORS`].
+pub fn check_unimplemented(content: &gguf_file::Content) -> Result<(), ModelError> {
+    for (name, what) in UNIMPLEMENTED_TENSORS {
+        if content.tensor_infos.contains_key(*name) {
+            return Err(ModelError::Unsupported(format!("{what} (tensor {name})")));
+        }
+    }
+    Ok(())
+}
+
+/// Reads tensor `name` as f32 values, if the file has it.
+pub fn read_vector<R: std::io::Read + std::io::Seek>(
+    content: &gguf_file::Content,
+    reader: &mut R,
+    name: &str,
+) -> Result<Option<Vec<f32>>, ModelError> {
+    if !content.tensor_infos.contains_key(name) {
+        return Ok(None);
+    }
+    Ok(Some(
+        content
+            .tensor(reader, name, &candle_core::Device::Cpu)?
+            .dequantize(&candle_core::Device::Cpu)?
+            .flatten_all()?
+            .to_vec1::<f32>()?,
+    ))
+}
+
+/// The rotary frequencies of the model in `content`: those of `cfg`, with
+/// `rope_freqs.weight` applied where the file has it (head_dim / 2 values).
+pub fn read_rope_frequencies<R: std::io::Read + std::io::Seek>(
+    cfg: &LlamaConfig,
+    content: &gguf_file::Content,
+    reader: &mut R,
+) -> Result<Vec<f32>, ModelError> {
+    const NAME: &str = "rope_freqs.weight";
+    let factors = read_vector(content, reader, NAME)?;
+    if let Some(f) = &factors {
+        if f.len() != cfg.head_dim / 2 || f.iter().any(|&x| !(x > 0.0 && x.is_finite())) {
+            return Err(ModelError::Shape {
+                name: NAME.into(),
+                why: format!(
+                    "{} values, expected {} positive divisors",
+                    f.len(),
+                    cfg.head_dim / 2
+                ),
+            });
+        }
+    }
+    Ok(cfg.rope_frequencies(factors.as_deref()))
 }
 
 /// One sequence's share of a batched forward step.
@@ -252,4 +558,132 @@ pub fn check_step(cfg: &LlamaConfig, pool: &KvPool, s: &SeqStep<'_>) -> Result<(
         )));
     }
     Ok(())
+}
+
+/// The weight types a GGUF file may store (those candle reads; the CPU
+/// kernels run some as stored and requantize the others), for messages.
+pub const SUPPORTED_WEIGHT_TYPES: &str =
+    "F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K";
+
+/// ggml's name of tensor type `id` (ggml.h's `ggml_type`).
+fn ggml_type_name(id: u32) -> String {
+    const NAMES: &[(u32, &str)] = &[
+        (16, "IQ2_XXS"),
+        (17, "IQ2_XS"),
+        (18, "IQ3_XXS"),
+        (19, "IQ1_S"),
+        (20, "IQ4_NL"),
+        (21, "IQ3_S"),
+        (22, "IQ2_S"),
+        (23, "IQ4_XS"),
+        (24, "I8"),
+        (25, "I16"),
+        (26, "I32"),
+        (27, "I64"),
+        (28, "F64"),
+        (29, "IQ1_M"),
+        (34, "TQ1_0"),
+        (35, "TQ2_0"),
+        (39, "MXFP4"),
+    ];
+    NAMES
+        .iter()
+        .find(|(i, _)| *i == id)
+        .map_or_else(|| format!("type {id}"), |(_, n)| (*n).to_string())
+}
+
+/// The first tensor of a GGUF file whose weight type is not one of
+/// [`SUPPORTED_WEIGHT_TYPES`]: its name and ggml's name of its type. Reads
+/// only the header, skipping the metadata values, with every length checked
+/// against the file's size; None when every type is supported or the header
+/// is not readable (then the reader's own error says why).
+pub fn unsupported_weight_type<R: std::io::Read + std::io::Seek>(
+    reader: &mut R,
+) -> Option<(String, String)> {
+    use std::io::{BufRead, Read, Seek, SeekFrom};
+    let file_len = reader.seek(SeekFrom::End(0)).ok()?;
+    reader.seek(SeekFrom::Start(0)).ok()?;
+    let mut r = std::io::BufReader::new(reader);
+    let u32_ = |r: &mut dyn Read| -> Option<u32> {
+        let mut b = [0u8; 4];
+        r.read_exact(&mut b).ok()?;
+        Some(u32::from_le_bytes(b))
+    };
+    let u64_ = |r: &mut dyn Read| -> Option<u64> {
+        let mut b = [0u8; 8];
+        r.read_exact(&mut b).ok()?;
+        Some(u64::from_le_bytes(b))
+    };
+    if u32_(&mut r)? != 0x4655_4747 || u32_(&mut r)? < 2 {
+        return None;
+    }
+    let (n_tensors, n_kv) = (u64_(&mut r)?, u64_(&mut r)?);
+    // Every entry takes a dozen bytes or more.
+    if n_tensors > file_len || n_kv > file_len {
+        return None;
+    }
+    fn skip<B: BufRead + Seek>(r: &mut B, n: u64, file_len: u64) -> Option<()> {
+        (n <= file_len).then_some(())?;
+        r.seek_relative(i64::try_from(n).ok()?).ok()
+    }
+    fn value<B: BufRead + Seek>(r: &mut B, kind: u32, file_len: u64, depth: u32) -> Option<()> {
+        let mut b8 = [0u8; 8];
+        match kind {
+            0 | 1 | 7 => skip(r, 1, file_len),
+            2 | 3 => skip(r, 2, file_len),
+            4..=6 => skip(r, 4, file_len),
+            10..=12 => skip(r, 8, file_len),
+            8 => {
+                r.read_exact(&mut b8).ok()?;
+                skip(r, u64::from_le_bytes(b8), file_len)
+            }
+            9 if depth < 4 => {
+                let mut b4 = [0u8; 4];
+                r.read_exact(&mut b4).ok()?;
+                let elem = u32::from_le_bytes(b4);
+                r.read_exact(&mut b8).ok()?;
+                let count = u64::from_le_bytes(b8);
+                let fixed = match elem {
+                    0 | 1 | 7 => Some(1),
+                    2 | 3 => Some(2),
+                    4..=6 => Some(4),
+                    10..=12 => Some(8),
+                    _ => None,
+                };
+                match fixed {
+                    Some(size) => skip(r, count.checked_mul(size)?, file_len),
+                    None => {
+                        (count <= file_len).then_some(())?;
+                        (0..count).try_for_each(|_| value(r, elem, file_len, depth + 1))
+                    }
+                }
+            }
+            _ => None,
+        }
+    }
+    for _ in 0..n_kv {
+        let key_len = u64_(&mut r)?;
+        skip(&mut r, key_len, file_len)?;
+        let kind = u32_(&mut r)?;
+        value(&mut r, kind, file_len, 0)?;
+    }
+    for _ in 0..n_tensors {
+        let name_len = u64_(&mut r)?;
+        if name_len > 1 << 16 {
+            return None;
+        }
+        let mut name = vec![0u8; name_len as usize];
+        r.read_exact(&mut name).ok()?;
+        let n_dims = u32_(&mut r)?;
+        skip(&mut r, 8 * u64::from(n_dims.min(64)), file_len)?;
+        let kind = u32_(&mut r)?;
+        let _offset = u64_(&mut r)?;
+        if !matches!(kind, 0..=3 | 6..=15 | 30) {
+            return Some((
+                String::from_utf8_lossy(&name).into_owned(),
+                ggml_type_name(kind),
+            ));
+        }
+    }
+    None
 }

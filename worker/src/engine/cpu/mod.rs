@@ -1,5 +1,6 @@
-//! The CPU backend: a llama forward pass over the GGUF file's quantized
-//! weights as they are, with SIMD kernels of our own.
+//! The CPU backend: the forward pass of the llama-family architectures
+//! (`model::Arch`) over the GGUF file's quantized weights as they are, with
+//! SIMD kernels of our own.
 //!
 //! candle's CPU path could not do this well: its Q4_1 dot product is a scalar
 //! loop that runs one activation row at a time, so the first engine
@@ -28,7 +29,10 @@ mod threads;
 mod x86;
 
 use super::kv::KvPool;
-use super::model::{check_step, LlamaConfig, ModelError, SeqStep};
+use super::model::{
+    check_dims, check_step, check_tensor_data, check_unimplemented, read_rope_frequencies,
+    read_vector, Arch, LlamaConfig, ModelError, SeqStep,
+};
 use attention::{Heads, SeqRows};
 use candle_core::quantized::{gguf_file, GgmlDType};
 use candle_core::Device;
@@ -43,6 +47,11 @@ struct Layer {
     attn_norm: Vec<f32>,
     /// q, k and v projections, fused where their formats match.
     wqkv: Linear,
+    /// Biases of the q, k and v projections, in the order of wqkv's output
+    /// (qwen2), where the file has them.
+    qkv_bias: Option<Vec<f32>>,
+    /// RMS norm weights of each query head and each key head (qwen3).
+    qk_norm: Option<(Vec<f32>, Vec<f32>)>,
     wo: Linear,
     ffn_norm: Vec<f32>,
     /// gate and up projections, fused where their formats match.
@@ -65,7 +74,7 @@ struct Scratch {
     rope: Vec<(f32, f32)>,
 }
 
-/// A llama model on the CPU kernels.
+/// A model of one of the llama-family architectures on the CPU kernels.
 pub struct CpuLlama {
     cfg: LlamaConfig,
     embed: QMatrix,
@@ -75,6 +84,8 @@ pub struct CpuLlama {
     layers: Vec<Layer>,
     /// Rotary frequencies, head_dim / 2 of them.
     inv_freq: Vec<f32>,
+    /// Rotary pairs are (i, i + head_dim / 2), not (2i, 2i + 1).
+    rope_halves: bool,
     scratch: Mutex<Scratch>,
     /// The compute threads (the engine thread and helpers).
     threads: ComputePool,
@@ -161,19 +172,73 @@ fn matrix<R: Read + Seek>(
     Ok(QMatrix { rows, cols, blocks })
 }
 
+/// A weight of `rows` rows of `cols` values, checked against the file.
+fn matrix_of<R: Read + Seek>(
+    content: &gguf_file::Content,
+    reader: &mut R,
+    tally: &mut Tally,
+    name: &str,
+    rows: usize,
+    cols: usize,
+) -> Result<QMatrix, ModelError> {
+    check_dims(content, name, &[rows, cols])?;
+    let m = matrix(content, reader, &mut tally.fallbacks, name)?;
+    *tally.formats.entry(m.blocks.name()).or_default() += 1;
+    Ok(m)
+}
+
+/// What loading the matrices found, for the start-up log: the formats kept
+/// as stored and the types requantized.
+#[derive(Default)]
+struct Tally {
+    fallbacks: Fallbacks,
+    formats: std::collections::BTreeMap<&'static str, usize>,
+}
+
+/// A 1-D tensor of `len` values as f32.
 fn vector<R: Read + Seek>(
     content: &gguf_file::Content,
     reader: &mut R,
     name: &str,
+    len: usize,
 ) -> Result<Vec<f32>, ModelError> {
-    if !content.tensor_infos.contains_key(name) {
-        return Err(ModelError::MissingTensor(name.to_string()));
+    check_dims(content, name, &[len])?;
+    read_vector(content, reader, name)?.ok_or_else(|| ModelError::MissingTensor(name.to_string()))
+}
+
+/// Reads a layer's 1-D tensor by name, checked to have a length.
+type VectorReader<'a> = dyn FnMut(&str, usize) -> Result<Vec<f32>, ModelError> + 'a;
+
+/// The q, k and v biases of a layer, in the order of its qkv output: one
+/// `attn_qkv.bias`, or any of `attn_q.bias`, `attn_k.bias` and `attn_v.bias`
+/// (zeros for one that is missing); None where the layer has none (llama
+/// files, usually) or all are missing.
+fn qkv_bias(
+    has: &dyn Fn(&str) -> bool,
+    v: &mut VectorReader<'_>,
+    q_dim: usize,
+    kv_dim: usize,
+) -> Result<Option<Vec<f32>>, ModelError> {
+    if has("attn_qkv.bias") {
+        return Ok(Some(v("attn_qkv.bias", q_dim + 2 * kv_dim)?));
     }
-    Ok(content
-        .tensor(reader, name, &Device::Cpu)?
-        .dequantize(&Device::Cpu)?
-        .flatten_all()?
-        .to_vec1::<f32>()?)
+    let parts = [
+        ("attn_q.bias", q_dim),
+        ("attn_k.bias", kv_dim),
+        ("attn_v.bias", kv_dim),
+    ];
+    if !parts.iter().any(|(n, _)| has(n)) {
+        return Ok(None);
+    }
+    let mut out = Vec::with_capacity(q_dim + 2 * kv_dim);
+    for (n, len) in parts {
+        if has(n) {
+            out.extend(v(n, len)?);
+        } else {
+            out.resize(out.len() + len, 0.0);
+        }
+    }
+    Ok(Some(out))
 }
 
 impl CpuLlama {
@@ -187,47 +252,84 @@ impl CpuLlama {
         kernels: CpuKernels,
     ) -> Result<Self, ModelError> {
         let cfg = LlamaConfig::from_gguf(content)?;
-        let mut fallbacks = Fallbacks::new();
-        let embed = matrix(content, reader, &mut fallbacks, "token_embd.weight")?;
-        let mut formats = std::collections::BTreeMap::<&str, usize>::new();
-        let mut count = |m: &QMatrix| *formats.entry(m.blocks.name()).or_default() += 1;
-        count(&embed);
-        let embed = embed.interleaved(kernels);
+        check_tensor_data(content, reader)?;
+        check_unimplemented(content)?;
+        let (hidden, ffn, hd) = (cfg.hidden, cfg.ffn, cfg.head_dim);
+        let (q_dim, kv_dim) = (cfg.q_dim(), cfg.kv_dim());
+        let mut tally = Tally::default();
+        let embed = matrix_of(
+            content,
+            reader,
+            &mut tally,
+            "token_embd.weight",
+            cfg.vocab_size,
+            hidden,
+        )?
+        .interleaved(kernels);
         let mut layers = Vec::with_capacity(cfg.n_layer);
         for i in 0..cfg.n_layer {
-            let name = |n: &str| format!("blk.{i}.{n}.weight");
-            let mut m = |n: &str| {
-                let m = matrix(content, reader, &mut fallbacks, &name(n))?;
-                count(&m);
-                Ok::<_, ModelError>(m)
-            };
+            let name = |n: &str| format!("blk.{i}.{n}");
+            let mut m =
+                |n: &str, rows, cols| matrix_of(content, reader, &mut tally, &name(n), rows, cols);
             let fused = |parts| Linear::fused(parts, kernels);
-            let wqkv = fused(vec![m("attn_q")?, m("attn_k")?, m("attn_v")?]);
-            let wo = fused(vec![m("attn_output")?]);
-            let w_gate_up = fused(vec![m("ffn_gate")?, m("ffn_up")?]);
-            let w_down = fused(vec![m("ffn_down")?]);
+            let has = |n: &str| content.tensor_infos.contains_key(&name(n));
+            // q, k and v in one matrix (phi3 files), or three.
+            let wqkv = if has("attn_qkv.weight") {
+                fused(vec![m("attn_qkv.weight", q_dim + 2 * kv_dim, hidden)?])
+            } else {
+                fused(vec![
+                    m("attn_q.weight", q_dim, hidden)?,
+                    m("attn_k.weight", kv_dim, hidden)?,
+                    m("attn_v.weight", kv_dim, hidden)?,
+                ])
+            };
+            // gate and up in one matrix, the gate's rows first (phi3), or two.
+            let w_gate_up = if has("ffn_gate.weight") {
+                fused(vec![
+                    m("ffn_gate.weight", ffn, hidden)?,
+                    m("ffn_up.weight", ffn, hidden)?,
+                ])
+            } else {
+                fused(vec![m("ffn_up.weight", 2 * ffn, hidden)?])
+            };
+            let wo = fused(vec![m("attn_output.weight", hidden, q_dim)?]);
+            let w_down = fused(vec![m("ffn_down.weight", hidden, ffn)?]);
+            let mut v = |n: &str, len| vector(content, reader, &name(n), len);
+            let qkv_bias = qkv_bias(&has, &mut v, q_dim, kv_dim)?;
+            let qk_norm = match cfg.arch {
+                Arch::Qwen3 => Some((v("attn_q_norm.weight", hd)?, v("attn_k_norm.weight", hd)?)),
+                _ => None,
+            };
             layers.push(Layer {
-                attn_norm: vector(content, reader, &name("attn_norm"))?,
-                ffn_norm: vector(content, reader, &name("ffn_norm"))?,
+                attn_norm: v("attn_norm.weight", hidden)?,
+                ffn_norm: v("ffn_norm.weight", hidden)?,
                 wqkv,
+                qkv_bias,
+                qk_norm,
                 wo,
                 w_gate_up,
                 w_down,
             });
         }
-        let norm = vector(content, reader, "output_norm.weight")?;
+        let norm = vector(content, reader, "output_norm.weight", hidden)?;
         // Tied embeddings (as in SmolLM2) have no separate output matrix.
-        let lm_head = match matrix(content, reader, &mut fallbacks, "output.weight") {
-            Ok(m) => {
-                count(&m);
-                Some(m.interleaved(kernels))
-            }
-            Err(ModelError::MissingTensor(_)) => None,
-            Err(e) => return Err(e),
+        let lm_head = if content.tensor_infos.contains_key("output.weight") {
+            Some(
+                matrix_of(
+                    content,
+                    reader,
+                    &mut tally,
+                    "output.weight",
+                    cfg.vocab_size,
+                    hidden,
+                )?
+                .interleaved(kernels),
+            )
+        } else {
+            None
         };
-        let inv_freq = (0..cfg.head_dim / 2)
-            .map(|i| 1.0 / cfg.rope_theta.powf(2.0 * i as f32 / cfg.head_dim as f32))
-            .collect();
+        let inv_freq = read_rope_frequencies(&cfg, content, reader)?;
+        let rope_halves = cfg.arch.rope_halves();
         let model = Self {
             cfg,
             embed,
@@ -235,6 +337,7 @@ impl CpuLlama {
             norm,
             layers,
             inv_freq,
+            rope_halves,
             scratch: Mutex::default(),
             threads: ComputePool::new(threads, kernels)
                 .map_err(|e| ModelError::Backend(format!("starting compute threads: {e}")))?,
@@ -246,9 +349,13 @@ impl CpuLlama {
             vnni = kernels.vnni(),
             "CPU kernels: quantized weights loaded"
         );
-        let formats: Vec<String> = formats.iter().map(|(f, n)| format!("{f}: {n}")).collect();
+        let formats: Vec<String> = tally
+            .formats
+            .iter()
+            .map(|(f, n)| format!("{f}: {n}"))
+            .collect();
         tracing::info!(matrices = %formats.join(", "), "CPU kernels: weight formats kept as stored");
-        for (dtype, tensors) in &fallbacks {
+        for (dtype, tensors) in &tally.fallbacks {
             // The documented fallback for types without kernels of their own.
             tracing::warn!(
                 tensors,
@@ -321,8 +428,7 @@ impl CpuLlama {
     /// Sizes the step's buffers for `n` rows and computes each row's rotation.
     fn prepare(&self, sc: &mut Scratch, seqs: &[SeqRows<'_>], n: usize) {
         let cfg = &self.cfg;
-        let (q_dim, kv_dim) = (cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim);
-        let ffn = self.layers.first().map_or(0, |l| l.w_down.cols);
+        let (q_dim, kv_dim, ffn) = (cfg.q_dim(), cfg.kv_dim(), cfg.ffn);
         sc.x.resize(n * cfg.hidden, 0.0);
         sc.qkv.resize(n * (q_dim + 2 * kv_dim), 0.0);
         sc.attn.resize(n * q_dim, 0.0);
@@ -373,7 +479,7 @@ impl CpuLlama {
     ) -> Result<(), ModelError> {
         let cfg = &self.cfg;
         let hd = cfg.head_dim;
-        let (q_dim, kv_dim) = (cfg.n_head * hd, cfg.n_kv_head * hd);
+        let (q_dim, kv_dim) = (cfg.q_dim(), cfg.kv_dim());
         let qkv_ld = q_dim + 2 * kv_dim;
         let n = sc.x.len() / cfg.hidden;
         let eps = cfg.rms_eps as f32;
@@ -396,11 +502,20 @@ impl CpuLlama {
             for (i, row) in s.rows.clone().enumerate() {
                 let pos = s.pos0 + i;
                 let line = &mut sc.qkv[row * qkv_ld..(row + 1) * qkv_ld];
-                rope(
-                    &mut line[..q_dim + kv_dim],
-                    hd,
-                    &sc.rope[row * half..(row + 1) * half],
-                );
+                if let Some(bias) = &layer.qkv_bias {
+                    add_into(line, bias);
+                }
+                if let Some((qn, kn)) = &layer.qk_norm {
+                    let (q, k) = line[..q_dim + kv_dim].split_at_mut(q_dim);
+                    head_norms(q, qn, eps);
+                    head_norms(k, kn, eps);
+                }
+                let rot = &sc.rope[row * half..(row + 1) * half];
+                if self.rope_halves {
+                    rope_halves(&mut line[..q_dim + kv_dim], hd, rot);
+                } else {
+                    rope(&mut line[..q_dim + kv_dim], hd, rot);
+                }
                 let slot = s.slots[pos];
                 keys[slot * kv_dim..(slot + 1) * kv_dim]
                     .copy_from_slice(&line[q_dim..q_dim + kv_dim]);
@@ -481,6 +596,32 @@ fn rope(line: &mut [f32], head_dim: usize, rot: &[(f32, f32)]) {
             let (a, b) = (pair[0], pair[1]);
             pair[0] = a * c - b * s;
             pair[1] = a * s + b * c;
+        }
+    }
+}
+
+/// Rotates every head of `line` as `rope` does, pairing dimension i with
+/// i + head_dim / 2 (llama.cpp's NEOX layout, which qwen and phi use).
+fn rope_halves(line: &mut [f32], head_dim: usize, rot: &[(f32, f32)]) {
+    let half = head_dim / 2;
+    for head in line.chunks_exact_mut(head_dim) {
+        let (lo, hi) = head.split_at_mut(half);
+        for ((a, b), &(c, s)) in lo.iter_mut().zip(hi.iter_mut()).zip(rot) {
+            let (x, y) = (*a, *b);
+            *a = x * c - y * s;
+            *b = x * s + y * c;
+        }
+    }
+}
+
+/// RMS norm of each head of `line` (heads of `weight.len()` values), scaled
+/// by `weight`.
+fn head_norms(line: &mut [f32], weight: &[f32], eps: f32) {
+    for head in line.chunks_exact_mut(weight.len()) {
+        let ss: f32 = head.iter().map(|v| v * v).sum();
+        let scale = 1.0 / (ss / weight.len() as f32 + eps).sqrt();
+        for (v, &w) in head.iter_mut().zip(weight) {
+            *v *= scale * w;
         }
     }
 }
