@@ -98,16 +98,19 @@ impl Endpoint {
     /// `Finished` (`ended`) also proves the worker serves, and puts its next
     /// Status poll off by a whole interval: a busy worker is seldom polled.
     /// An `Accepted` does not, since a worker whose engine has failed still
-    /// accepts and then fails the stream, which only a poll reports.
+    /// accepts and then fails the stream, which only a poll reports; nor is
+    /// its queue taken, since that queue still holds the very stream it
+    /// accepts, which `in_flight` already counts (the stream would count
+    /// twice, and a conversation's worker look overloaded by its own turn).
     pub fn note_load(&self, load: Option<&WorkerLoad>, ended: bool) {
         let Some(load) = load else { return };
-        self.reported_queue
-            .store(load.queue_depth, Ordering::SeqCst);
-        self.queue_gauge.set(load.queue_depth as f64);
         if self.draining.swap(load.draining, Ordering::SeqCst) != load.draining {
             self.changes.notify_one();
         }
         if ended {
+            self.reported_queue
+                .store(load.queue_depth, Ordering::SeqCst);
+            self.queue_gauge.set(load.queue_depth as f64);
             self.heard();
         }
     }
@@ -975,7 +978,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn in_band_load_updates_the_endpoint_and_only_an_end_counts_as_an_answer() {
+    async fn in_band_load_updates_the_endpoint_and_only_an_end_counts_as_an_answer_or_a_queue() {
         let reg = registry();
         let ep = add(&reg, "w1");
         assert!(ep.heard_ago(Instant::now()).is_none());
@@ -986,7 +989,8 @@ mod tests {
         assert_eq!(ep.load(), 2, "no report, no change");
         assert!(ep.heard_ago(Instant::now()).is_none());
 
-        // Accepted: fresher load, but no proof the engine serves.
+        // Accepted: its queue holds the stream just accepted, counted here
+        // already; no proof the engine serves either.
         let load = |queue_depth, draining| WorkerLoad {
             queue_depth,
             active_sequences: 3,
@@ -994,10 +998,16 @@ mod tests {
         };
         let _stream = InFlight::new(ep.clone());
         ep.note_load(Some(&load(5, false)), false);
-        assert_eq!(ep.load(), 6, "one stream in flight here, 5 queued there");
+        assert_eq!(
+            ep.load(),
+            3,
+            "one stream in flight here, the polled 2 there"
+        );
         assert!(ep.heard_ago(Instant::now()).is_none());
 
         // Finished: the load, and an answer that puts the poll off.
+        ep.note_load(Some(&load(4, false)), true);
+        assert_eq!(ep.load(), 5, "one stream in flight here, 4 queued there");
         ep.note_load(Some(&load(0, false)), true);
         assert_eq!(ep.load(), 1);
         assert!(ep.heard_ago(Instant::now()).unwrap() < MS(1_000));
