@@ -210,7 +210,7 @@ pub struct WorkerChoiceArgs {
     #[arg(
         long,
         env = "TOKENMESH_CACHE_AWARE_LOAD_FACTOR",
-        default_value_t = 1.25,
+        default_value_t = 1.0,
         value_parser = parse_load_factor
     )]
     pub cache_aware_load_factor: f64,

@@ -19,6 +19,9 @@ use tonic::transport::{Channel, Endpoint as TonicEndpoint};
 #[derive(Debug)]
 pub struct Endpoint {
     pub id: String,
+    /// xxh3 of `id`, hashed once at registration: the cache-aware choice
+    /// weighs every candidate of every request by it.
+    pub id_hash: u64,
     pub model: String,
     pub version: String,
     pub record: WorkerRecord,
@@ -487,6 +490,7 @@ impl Registry {
         ];
         let ep = Arc::new(Endpoint {
             id: id.into(),
+            id_hash: xxhash_rust::xxh3::xxh3_64(id.as_bytes()),
             model: model.into(),
             version: version.into(),
             record,

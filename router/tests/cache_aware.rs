@@ -6,7 +6,7 @@
 //! Two routers that never talk send every turn of a conversation to the same
 //! worker, whichever of them each turn goes through; different conversations
 //! spread over the workers; and the load guard moves streams off a preferred
-//! worker whose load is past the margin or would pass 1.25 times the mean,
+//! worker whose load is past the margin or would pass the mean (the bound),
 //! which it does not do with a wide margin and no bound.
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
@@ -256,8 +256,8 @@ async fn the_load_guard_moves_streams_off_a_preferred_worker_past_the_margin_or_
     }
 
     // The default bound on the mean, margin wide: one more stream may not
-    // take the preferred worker past ceil(1.25 x (streams + 1) / 4), so
-    // after six it holds at most ceil(1.25 x 6 / 4) = 2.
+    // take the preferred worker past ceil(1.0 x (streams + 1) / 4), so
+    // after six it holds at most ceil(6 / 4) = 2.
     reasons.0.lock().unwrap().clear();
     let bounded = router_over(&pool, ONCE, &["--cache-aware-load-margin", "100"]).await;
     let (on, _streams) = hold(&mut bounded.client.clone(), &req, 6).await;
@@ -267,7 +267,7 @@ async fn the_load_guard_moves_streams_off_a_preferred_worker_past_the_margin_or_
     assert!(
         seen.iter()
             .any(|r| r.starts_with(&format!("load guard: {preferred} "))
-                && r.contains("1.25 times the mean load")),
+                && r.contains("1.00 times the mean load")),
         "{seen:#?}"
     );
 }

@@ -21,7 +21,9 @@
 //!    margin (the absolute guard), or when one more stream would
 //!    take it past `factor` times the mean load, rounded up (consistent
 //!    hashing with bounded loads, Mirrokni, Thorup and Zadimoghaddam 2018,
-//!    as HAProxy and Vimeo run it with factor 1.25). The first catches a
+//!    as HAProxy and Vimeo run it, there with factor 1.25; the router's
+//!    default is 1.0, which measured better on the multi-turn chat
+//!    workload, BENCHMARKS.md). The first catches a
 //!    hot worker under heavy load, the second the imbalance of a few
 //!    conversations hashed onto a few workers (8 conversations on 4 workers
 //!    put 4 or more, twice the mean, on one 45 % of the time), which no absolute
@@ -152,7 +154,7 @@ pub fn explain(d: &Decision, preferred: &str, cached: u64, load: u32, guard: Gua
         ),
         (Some(Overload::Bound { cap }), _) => write!(
             out,
-            "load guard: {preferred} (est. {cached} cached tokens) at load {load} would pass {cap}, {} times the mean load; lower load of two random ready workers",
+            "load guard: {preferred} (est. {cached} cached tokens) at load {load} would pass {cap}, {:.2} times the mean load; lower load of two random ready workers",
             guard.factor
         ),
     };

@@ -10,7 +10,7 @@
 //!   guard).
 //!
 //! A decision reads every candidate once, for its load and its rendezvous
-//! weight (a hash of a few bytes); the index is read only for the
+//! weight (its id hashed once, mixed with the conversation key); the index is read only for the
 //! rendezvous worker and for the few workers holding this conversation's
 //! next chunk, so a fleet that shares a system prompt does not make the
 //! decision cost workers × chunks.
@@ -66,7 +66,7 @@ impl Default for AffinitySettings {
         Self {
             choice: WorkerChoice::CacheAware,
             load_margin: 4,
-            load_factor: 1.25,
+            load_factor: 1.0,
             index_pairs: 1 << 18,
         }
     }
@@ -206,7 +206,7 @@ impl Affinity {
             field.eligible += 1;
             field.least = field.least.min(load);
             field.total += u64::from(load);
-            let w = rendezvous_weight(&e.id, d.conversation);
+            let w = rendezvous_weight(e.id_hash, d.conversation);
             if top.is_none_or(|(tw, t, _)| w > tw || (w == tw && e.id < t.id)) {
                 top = Some((w, e, load));
             }
@@ -245,7 +245,7 @@ impl Affinity {
                     if h == own || holder(&ep) != h || !eligible(&ep) {
                         continue;
                     }
-                    let weight = rendezvous_weight(&ep.id, d.conversation);
+                    let weight = rendezvous_weight(ep.id_hash, d.conversation);
                     let contender = Contender {
                         load: ep.load(),
                         matched: state.index.depth(&d.chunks, h),
@@ -456,9 +456,17 @@ impl RequestAffinity {
     }
 }
 
-/// A worker's rendezvous weight for conversation `key`.
-pub fn rendezvous_weight(worker_id: &str, key: u64) -> u64 {
-    xxh3_64_with_seed(worker_id.as_bytes(), key)
+/// A worker's rendezvous weight for conversation `key`, from the hash of its
+/// id ([`Endpoint::id_hash`]): a fixed bijective 64-bit mix (MurmurHash3's
+/// finalizer) of the two, so every router ranks workers alike, and cheap
+/// enough to weigh a thousand candidates per request.
+pub fn rendezvous_weight(id_hash: u64, key: u64) -> u64 {
+    let mut h = id_hash ^ key;
+    h ^= h >> 33;
+    h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    h ^= h >> 33;
+    h = h.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    h ^ (h >> 33)
 }
 
 /// Names a worker's cache in the index: its id, its registration and its
@@ -572,7 +580,7 @@ mod tests {
         let conversation = req.digest.as_ref().unwrap().conversation;
         let last = eps
             .iter()
-            .min_by_key(|e| rendezvous_weight(&e.id, conversation))
+            .min_by_key(|e| rendezvous_weight(e.id_hash, conversation))
             .unwrap();
         assert_ne!(last.id, first.id);
         req.opened(last);
@@ -640,7 +648,7 @@ mod tests {
         let own = req.choose(&eps, &[], true, &mut rng()).worker.unwrap();
         req.opened(&own);
         // Its worker has 3 streams, every other 1: within the margin of 4,
-        // but a fourth would pass ceil(1.25 x 7 / 4) = 3.
+        // but a fourth would pass ceil(1.0 x 7 / 4) = 2.
         for e in &eps {
             let load = if Arc::ptr_eq(e, &own) { 3 } else { 1 };
             e.in_flight.store(load, Ordering::SeqCst);
@@ -653,13 +661,13 @@ mod tests {
                 choice
                     .reason
                     .starts_with(&format!("load guard: {} ", own.id))
-                    && choice.reason.contains("would pass 3, 1.25 times the mean"),
+                    && choice.reason.contains("would pass 2, 1.00 times the mean"),
                 "{}",
                 choice.reason
             );
         }
         // At 1 stream, as many as every other, it takes its conversation
-        // again (a second is within ceil(1.25 x 5 / 4) = 2).
+        // again (a second is within ceil(1.0 x 5 / 4) = 2).
         own.in_flight.store(1, Ordering::SeqCst);
         let choice = req.choose(&eps, &[], true, &mut rng());
         assert_eq!(choice.worker.unwrap().id, own.id, "{}", choice.reason);
