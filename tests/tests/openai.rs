@@ -216,8 +216,15 @@ async fn curl_reads_sse_and_a_client_that_leaves_frees_the_worker() {
         "length"
     );
 
-    // A client that goes away mid-stream: the worker frees the sequence.
-    let long = body.replace("\"max_tokens\":6", "\"max_tokens\":2000");
+    // A client that goes away mid-stream: the worker frees the sequence. The
+    // prompt asks for a long reply: a greeting's reply ends at EOS within
+    // tens of milliseconds, sometimes before the Status below is read.
+    let long = body
+        .replace("\"max_tokens\":6", "\"max_tokens\":2000")
+        .replace(
+            "hello there",
+            "Write a very long story about a lighthouse keeper, at least two thousand words.",
+        );
     let mut child = std::process::Command::new("curl")
         .args([
             "-sS",
