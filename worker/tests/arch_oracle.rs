@@ -16,12 +16,12 @@
 //! `TOKENMESH_PYTHON` with numpy (else `python3`) and the test model.
 mod common;
 
-use common::{forward_one, model_path};
+use common::{forward_one, llama_server, model_path, probs};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::{Duration, Instant};
-use tokenmesh_tests::{curl, free_port, llama_cpp_bin, post_json, Proc};
+use std::time::Duration;
+use tokenmesh_tests::{llama_cpp_bin, post_json, Proc};
 use tokenmesh_worker::engine::backend::{Backend, LoadOptions};
 use tokenmesh_worker::engine::candle::CandleLlama;
 use tokenmesh_worker::engine::kv::KvCache;
@@ -109,50 +109,13 @@ fn make_model(case: &Case, dir: &Path) -> (PathBuf, PathBuf) {
     (f32_path, out)
 }
 
-/// llama-server on `model`, healthy; killed when dropped (also when the
-/// test fails).
+/// llama-server on `model` with an f32 KV cache and flash attention off (as
+/// exact as it computes), healthy.
 fn start_server(model: &Path, dir: &Path, name: &str) -> (Proc, String) {
-    let port = free_port();
-    let args: Vec<String> = [
-        "-m",
-        &model.display().to_string(),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        &port.to_string(),
-        "-t",
-        "1",
-        "-np",
-        "1",
-        "-c",
-        "512",
-        "-ctk",
-        "f32",
-        "-ctv",
-        "f32",
-        "-fa",
-        "off",
-        "--no-webui",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    let mut proc = Proc::spawn(name, &llama_cpp_bin("llama-server"), &args, dir)
-        .expect("starting llama-server");
-    let url = format!("http://127.0.0.1:{port}");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        if curl(&[&format!("{url}/health")]).0 == 200 {
-            break;
-        }
-        assert!(
-            proc.running() && Instant::now() < deadline,
-            "llama-server did not become healthy:\n{}",
-            proc.log_text()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    (proc, url)
+    let args = [
+        "-t", "1", "-np", "1", "-c", "512", "-ctk", "f32", "-ctv", "f32", "-fa", "off",
+    ];
+    llama_server(model, dir, name, &args, Duration::from_secs(60))
 }
 
 /// One step of llama.cpp's continuation: its token and its top tokens with
@@ -208,14 +171,6 @@ fn llama_cpp_steps(url: &str, prompt: &[u32]) -> Vec<Step> {
         assert_eq!(s.token, s.top[0].0, "llama.cpp's greedy token is its top");
     }
     steps
-}
-
-/// Softmax of one logits row.
-fn probs(row: &[f32]) -> Vec<f32> {
-    let max = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-    let e: Vec<f32> = row.iter().map(|x| (x - max).exp()).collect();
-    let z: f32 = e.iter().sum();
-    e.iter().map(|x| x / z).collect()
 }
 
 /// How one backend compared with llama.cpp over a case's prompts.

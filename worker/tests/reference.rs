@@ -8,7 +8,7 @@
 //! probabilities per step and the command that made it.
 mod common;
 
-use common::{forward_one, france_reply, model_path, render_chat};
+use common::{forward_one, france_reply, model_path, probs, render_chat};
 use serde_json::Value;
 use std::path::PathBuf;
 use tokenmesh_worker::engine::backend::Backend;
@@ -39,14 +39,6 @@ fn fixture() -> Value {
             PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/llamacpp_greedy.json")
         });
     serde_json::from_str(&std::fs::read_to_string(&path).expect("fixture")).expect("fixture JSON")
-}
-
-/// Softmax of one logits row.
-fn probs(row: &[f32]) -> Vec<f32> {
-    let max = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-    let e: Vec<f32> = row.iter().map(|x| (x - max).exp()).collect();
-    let z: f32 = e.iter().sum();
-    e.iter().map(|x| x / z).collect()
 }
 
 #[test]

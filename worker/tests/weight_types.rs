@@ -14,12 +14,12 @@
 //! the list; llama.cpp's binaries come from `TOKENMESH_LLAMA_CPP`.
 mod common;
 
-use common::{forward_one, model_path, render_chat};
+use common::{forward_one, llama_server, model_path, probs, render_chat};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::{Duration, Instant};
-use tokenmesh_tests::{free_port, llama_cpp_bin, post_json, Proc};
+use std::time::Duration;
+use tokenmesh_tests::{llama_cpp_bin, post_json, Proc};
 use tokenmesh_worker::engine::backend::Backend;
 use tokenmesh_worker::engine::chat_template::ChatTurn;
 use tokenmesh_worker::engine::kv::KvCache;
@@ -86,52 +86,9 @@ fn quantized(ty: &str) -> PathBuf {
 
 /// llama-server on `model`, healthy.
 fn serve(model: &Path, dir: &Path, ty: &str) -> (Proc, String) {
-    let port = free_port();
-    let args: Vec<String> = [
-        "-m",
-        &model.display().to_string(),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        &port.to_string(),
-        "-t",
-        "2",
-        "-np",
-        "1",
-        "-c",
-        "1024",
-        "--no-webui",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    let mut proc = Proc::spawn(
-        &format!("llama-server-{ty}"),
-        &llama_cpp_bin("llama-server"),
-        &args,
-        dir,
-    )
-    .unwrap();
-    let url = format!("http://127.0.0.1:{port}");
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        let healthy = Command::new("curl")
-            .args(["-s", "-o", "/dev/null", "-w", "%{http_code}"])
-            .arg(format!("{url}/health"))
-            .output()
-            .map(|o| o.stdout == b"200")
-            .unwrap_or(false);
-        if healthy {
-            break;
-        }
-        assert!(
-            proc.running() && Instant::now() < deadline,
-            "llama-server {ty} did not become healthy:\n{}",
-            proc.log_text()
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    (proc, url)
+    let args = ["-t", "2", "-np", "1", "-c", "1024"];
+    let name = format!("llama-server-{ty}");
+    llama_server(model, dir, &name, &args, Duration::from_secs(120))
 }
 
 /// llama.cpp's greedy continuation of `ids`: per step, the chosen token and
@@ -163,13 +120,6 @@ fn llama_cpp_steps(url: &str, ids: &[u32]) -> Vec<(u32, Vec<(u32, f32)>)> {
             (id(s), top)
         })
         .collect()
-}
-
-fn probs(row: &[f32]) -> Vec<f32> {
-    let max = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-    let e: Vec<f32> = row.iter().map(|x| (x - max).exp()).collect();
-    let z: f32 = e.iter().sum();
-    e.iter().map(|x| x / z).collect()
 }
 
 #[test]

@@ -1,8 +1,12 @@
 //! What the model-backed test binaries share: where the model is, a chat
-//! rendered with its template, and one greedy reply through a backend.
+//! rendered with its template, one greedy reply through a backend, the
+//! softmax of a logits row, and a llama-server to compare with.
 #![allow(dead_code)] // each test binary uses its own part
 
+use std::path::Path;
+use std::time::{Duration, Instant};
 pub use tokenmesh_tests::model_path;
+use tokenmesh_tests::{curl, free_port, llama_cpp_bin, Proc};
 use tokenmesh_worker::engine::backend::Backend;
 use tokenmesh_worker::engine::chat_template::ChatTurn;
 use tokenmesh_worker::engine::kv::{KvCache, KvPool};
@@ -73,4 +77,49 @@ pub fn france_reply(model: &LoadedModel) -> String {
         feed = vec![t];
     }
     model.tokenizer.decode(&out)
+}
+
+/// Softmax of one logits row.
+pub fn probs(row: &[f32]) -> Vec<f32> {
+    let max = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    let e: Vec<f32> = row.iter().map(|x| (x - max).exp()).collect();
+    let z: f32 = e.iter().sum();
+    e.iter().map(|x| x / z).collect()
+}
+
+/// llama-server (`$TOKENMESH_LLAMA_CPP/bin`) on `model` on an ephemeral
+/// loopback port with the further `args`, once its /health answers (within
+/// `ready_within`): the process, killed when dropped (also when the test
+/// fails), and its URL.
+pub fn llama_server(
+    model: &Path,
+    dir: &Path,
+    name: &str,
+    args: &[&str],
+    ready_within: Duration,
+) -> (Proc, String) {
+    let port = free_port();
+    let mut argv: Vec<String> = vec![
+        "-m".into(),
+        model.display().to_string(),
+        "--host".into(),
+        "127.0.0.1".into(),
+        "--port".into(),
+        port.to_string(),
+        "--no-webui".into(),
+    ];
+    argv.extend(args.iter().map(|s| s.to_string()));
+    let mut proc = Proc::spawn(name, &llama_cpp_bin("llama-server"), &argv, dir)
+        .expect("starting llama-server");
+    let url = format!("http://127.0.0.1:{port}");
+    let deadline = Instant::now() + ready_within;
+    while curl(&[&format!("{url}/health")]).0 != 200 {
+        assert!(
+            proc.running() && Instant::now() < deadline,
+            "{name} did not become healthy:\n{}",
+            proc.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    (proc, url)
 }

@@ -262,18 +262,16 @@ impl Affinity {
         // Only a candidate of this request may win (a continuation is
         // offered fewer workers; a worker may have left the registry).
         if !rivals.is_empty() {
-            let mut offered: Vec<*const Endpoint> = Vec::with_capacity(rivals.len());
             rivals.sort_by_key(|r| Arc::as_ptr(&r.ep));
+            let mut offered = vec![false; rivals.len()];
             for c in candidates {
-                let p = Arc::as_ptr(c);
-                if rivals
-                    .binary_search_by_key(&p, |r| Arc::as_ptr(&r.ep))
-                    .is_ok()
+                if let Ok(i) = rivals.binary_search_by_key(&Arc::as_ptr(c), |r| Arc::as_ptr(&r.ep))
                 {
-                    offered.push(p);
+                    offered[i] = true;
                 }
             }
-            rivals.retain(|r| offered.contains(&Arc::as_ptr(&r.ep)));
+            let mut offered = offered.into_iter();
+            rivals.retain(|_| offered.next().unwrap_or(false));
         }
         let rival = rivals
             .into_iter()
