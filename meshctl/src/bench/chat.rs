@@ -9,7 +9,8 @@
 //! turn landed on the worker of the turn before (what a cache-aware router
 //! buys), each worker's share of the load, and the hit ratio of an oracle
 //! that serves every conversation from the worker holding all of it.
-use super::report::{Format, Percentiles};
+use super::load::router_model;
+use super::report::{histogram, percentiles, Format, Percentiles};
 use super::transport::{self, TlsArgs};
 use anyhow::Context;
 use hdrhistogram::Histogram;
@@ -21,7 +22,7 @@ use std::time::Duration;
 use tokenmesh_proto::v1::generate_response::Event;
 use tokenmesh_proto::v1::inference_client::InferenceClient;
 use tokenmesh_proto::v1::worker_client::WorkerClient;
-use tokenmesh_proto::v1::{ChatMessage, GenerateRequest, ListModelsRequest, StatusRequest};
+use tokenmesh_proto::v1::{ChatMessage, GenerateRequest, StatusRequest};
 use tokio::time::Instant;
 use tonic::transport::Channel;
 
@@ -164,7 +165,7 @@ pub async fn run(args: &ChatArgs) -> anyhow::Result<ChatReport> {
     let channel = transport::connect(&args.target, &args.tls).await?;
     let model = match &args.model {
         Some(m) => m.clone(),
-        None => default_model(channel.clone()).await?,
+        None => router_model(channel.clone()).await?,
     };
     let mut workers = Vec::with_capacity(args.workers.len());
     for w in &args.workers {
@@ -214,18 +215,6 @@ async fn cache_counters(
         });
     }
     Ok(out)
-}
-
-async fn default_model(channel: Channel) -> anyhow::Result<String> {
-    let models = InferenceClient::new(channel)
-        .list_models(ListModelsRequest {})
-        .await?
-        .into_inner();
-    match models.models.as_slice() {
-        [one] => Ok(one.name.clone()),
-        [] => anyhow::bail!("the router knows no models yet"),
-        _ => anyhow::bail!("several models are served; choose one with --model"),
-    }
 }
 
 /// One conversation, turn after turn; stops at its first failed turn (the
@@ -315,23 +304,6 @@ async fn conversation(
         });
     }
     out
-}
-
-fn histogram() -> Histogram<u64> {
-    Histogram::new_with_bounds(1, 3_600_000_000, 3).expect("valid histogram bounds")
-}
-
-fn percentiles(h: &Histogram<u64>) -> Percentiles {
-    if h.is_empty() {
-        return Percentiles::default();
-    }
-    let ms = |v: u64| v as f64 / 1000.0;
-    Percentiles {
-        p50: ms(h.value_at_quantile(0.50)),
-        p90: ms(h.value_at_quantile(0.90)),
-        p99: ms(h.value_at_quantile(0.99)),
-        mean: h.mean() / 1000.0,
-    }
 }
 
 /// Prompt tokens an oracle router could have served from cache, with

@@ -153,15 +153,7 @@ impl Target {
             let status = WorkerClient::new(channel).status(StatusRequest {}).await?;
             return Ok(status.into_inner().model);
         }
-        let models = InferenceClient::new(channel)
-            .list_models(ListModelsRequest {})
-            .await?
-            .into_inner();
-        match models.models.as_slice() {
-            [one] => Ok(one.name.clone()),
-            [] => anyhow::bail!("the router knows no models yet"),
-            _ => anyhow::bail!("several models are served; choose one with --model"),
-        }
+        router_model(channel).await
     }
 }
 
@@ -457,4 +449,17 @@ fn progress_bar(show: bool, secs: f64) -> ProgressBar {
             .expect("a valid progress template"),
     );
     bar
+}
+
+/// The one model a router serves, to ask for when none is given.
+pub(crate) async fn router_model(channel: Channel) -> anyhow::Result<String> {
+    let models = InferenceClient::new(channel)
+        .list_models(ListModelsRequest {})
+        .await?
+        .into_inner();
+    match models.models.as_slice() {
+        [one] => Ok(one.name.clone()),
+        [] => anyhow::bail!("the router knows no models yet"),
+        _ => anyhow::bail!("several models are served; choose one with --model"),
+    }
 }

@@ -45,7 +45,7 @@ pub struct Report {
 /// Microsecond histogram from 1 µs to 1 hour with 3 significant figures.
 /// Fixed bounds, because `saturating_record` does not grow an auto-resizing
 /// histogram: it clamps to its current top.
-fn histogram() -> Histogram<u64> {
+pub(crate) fn histogram() -> Histogram<u64> {
     Histogram::new_with_bounds(1, 3_600_000_000, 3).expect("valid histogram bounds")
 }
 
@@ -53,7 +53,8 @@ fn us(d: Duration) -> u64 {
     d.as_micros().max(1) as u64
 }
 
-fn percentiles(h: &Histogram<u64>) -> Percentiles {
+/// The percentiles of a microsecond histogram, in milliseconds.
+pub(crate) fn percentiles(h: &Histogram<u64>) -> Percentiles {
     if h.is_empty() {
         return Percentiles::default();
     }
