@@ -183,9 +183,18 @@ async fn a_worker_that_never_becomes_ready_is_logged_once_with_the_reason() {
     // Nothing listens there.
     let dead = format!("http://127.0.0.1:{}", free_port());
     let file = static_file_at(dir.path(), "w-dead", &dead);
-    let router = RouterProc::start(&["--static".into(), file], dir.path())
-        .await
-        .unwrap();
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let router = RouterProc::start(
+        &[
+            "--static".into(),
+            file,
+            "--metrics-listen".into(),
+            metrics.clone(),
+        ],
+        dir.path(),
+    )
+    .await
+    .unwrap();
     assert!(
         router
             .proc
@@ -194,8 +203,24 @@ async fn a_worker_that_never_becomes_ready_is_logged_once_with_the_reason() {
         "{}",
         router.proc.log_text()
     );
-    // The harness's router polls every 200 ms: let ten more polls fail.
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Until more polls have failed after the one that was logged.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let text = scrape_text(&metrics).await.unwrap();
+        let failed: f64 = text
+            .lines()
+            .filter(|l| l.starts_with("llm_router_status_polls_total{") && l.contains("\"failed\""))
+            .filter_map(|l| l.rsplit(' ').next()?.parse().ok())
+            .sum();
+        if failed >= 4.0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "only {failed} failed polls in 30 s:\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let log = router.proc.log_text();
     let warnings: Vec<&str> = log
         .lines()

@@ -1,9 +1,9 @@
 //! `tokenmesh-worker tokenize`: a GGUF file's tokenizer on the command line.
 //! Reads only the metadata, so vocabulary-only files (no tensors, as
 //! llama.cpp's `models/ggml-vocab-*.gguf`) work as well as models.
+use crate::engine::gguf_header;
 use crate::engine::tokenizer::{EncodeOptions, GgufTokenizer, TokenizerError};
 use crate::model_cache::{FetchError, ModelSource};
-use candle_core::quantized::gguf_file::Content;
 use std::io::{BufRead, Read, Write};
 use std::path::PathBuf;
 
@@ -57,10 +57,10 @@ pub enum TokenizeError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("{path} is not a readable GGUF file: {source}")]
+    #[error("{path}: {source}")]
     Gguf {
         path: PathBuf,
-        source: candle_core::Error,
+        source: crate::engine::gguf_header::HeaderError,
     },
     #[error("{path}: {source}")]
     Tokenizer {
@@ -82,7 +82,7 @@ pub fn load(args: &TokenizeArgs) -> Result<GgufTokenizer, TokenizeError> {
         path: path.clone(),
         source,
     })?;
-    let content = Content::read(&mut file).map_err(|source| TokenizeError::Gguf {
+    let content = gguf_header::read(&mut file).map_err(|source| TokenizeError::Gguf {
         path: path.clone(),
         source,
     })?;

@@ -272,6 +272,25 @@ fn the_worker_refuses_unsupported_weight_types_and_tokenizers_at_start_up() {
     );
 }
 
+/// A `general.alignment` of 0 (candle's reader divides by it) is refused at
+/// start-up with a message, not a panic.
+#[test]
+fn the_worker_refuses_an_alignment_of_zero_at_start_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny-align0.gguf");
+    let bytes = tiny_model("llama", true, |md| {
+        md.push(("general.alignment".into(), Value::U32(0)));
+    });
+    std::fs::write(&path, bytes).unwrap();
+    let out = worker_on(&path);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the worker started: {stderr}");
+    assert!(
+        stderr.contains("general.alignment is 0") && !stderr.contains("panicked"),
+        "the message names the alignment:\n{stderr}"
+    );
+}
+
 /// `tokenmesh-worker` on `model` until it exits (it must, at start-up).
 fn worker_on(model: &Path) -> std::process::Output {
     let mut child = Command::new(tokenmesh_tests::bin("tokenmesh-worker"))

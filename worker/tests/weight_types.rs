@@ -42,8 +42,13 @@ const STEPS: usize = 12;
 const NEAR_TIE: f32 = 0.10;
 /// Largest difference allowed between the engines' probability of a token
 /// in llama.cpp's top 5 for the quantized types: both round activations to
-/// 8 bits (not identically) and llama.cpp keeps its KV cache in f16.
-const MAX_PROB_DRIFT: f32 = 0.12;
+/// 8 bits (not identically) and llama.cpp keeps its KV cache in f16. Where
+/// the differences fall depends on llama.cpp's kernels for the CPU: at most
+/// 0.097 with its AVX-512 build on an Intel host, up to 0.166 (Q4_K_M) with
+/// its AVX2 build on an AMD EPYC host without AVX-512, where our kernels
+/// compute the same (the VNNI and AVX2 kernels are tested bit-equal). A
+/// wrong kernel moves them by 0.4 or more.
+const MAX_PROB_DRIFT: f32 = 0.2;
 /// The same bound for the float types, whose activations neither engine
 /// rounds to 8 bits: what is left is llama.cpp's f16 KV cache and summation
 /// order (0.001 measured on F16; 8-bit activations had moved it by 0.4).

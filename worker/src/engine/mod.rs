@@ -5,6 +5,7 @@ pub mod candle;
 pub mod chat_template;
 pub mod cpu;
 pub mod detokenize;
+pub mod gguf_header;
 pub mod kv;
 pub mod model;
 pub mod sampling;
@@ -14,7 +15,6 @@ pub use backend::LoadOptions;
 pub use cpu::CpuKernels;
 
 use backend::Backend;
-use candle_core::quantized::gguf_file;
 use candle_core::Device;
 use chat_template::ChatTemplate;
 use kv::KvPool;
@@ -33,20 +33,10 @@ pub enum LoadError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("{path} is not a readable GGUF file: {source}")]
+    #[error("{path}: {source}")]
     Gguf {
         path: PathBuf,
-        source: candle_core::Error,
-    },
-    #[error(
-        "{path}: tensor {tensor} is stored as {kind}, a weight type tokenmesh does not read \
-         (supported: {})",
-        model::SUPPORTED_WEIGHT_TYPES
-    )]
-    WeightType {
-        path: PathBuf,
-        tensor: String,
-        kind: String,
+        source: crate::engine::gguf_header::HeaderError,
     },
     #[error(transparent)]
     Model(#[from] ModelError),
@@ -86,24 +76,10 @@ impl LoadedModel {
         let mut file = std::fs::File::open(path).map_err(io)?;
         let digest = sha256(&mut file).map_err(io)?;
         file.seek(SeekFrom::Start(0)).map_err(io)?;
-        let content = match gguf_file::Content::read(&mut file) {
-            Ok(c) => c,
-            Err(source) => {
-                // A weight type the reader does not know fails the header;
-                // name it, rather than the reader's number.
-                if let Some((tensor, kind)) = model::unsupported_weight_type(&mut file) {
-                    return Err(LoadError::WeightType {
-                        path: path.to_path_buf(),
-                        tensor,
-                        kind,
-                    });
-                }
-                return Err(LoadError::Gguf {
-                    path: path.to_path_buf(),
-                    source,
-                });
-            }
-        };
+        let content = gguf_header::read(&mut file).map_err(|source| LoadError::Gguf {
+            path: path.to_path_buf(),
+            source,
+        })?;
         // The architecture and shape first: a file the worker cannot run is
         // refused with that reason, before its tokenizer is built.
         model::LlamaConfig::from_gguf(&content)?;
@@ -186,7 +162,7 @@ pub fn default_name_of(path: &Path) -> Result<String, LoadError> {
         path: path.to_path_buf(),
         source,
     })?;
-    let content = gguf_file::Content::read(&mut file).map_err(|source| LoadError::Gguf {
+    let content = gguf_header::read(&mut file).map_err(|source| LoadError::Gguf {
         path: path.to_path_buf(),
         source,
     })?;
