@@ -11,6 +11,7 @@
 //! which with the request id names the stream on the worker, for
 //! `Worker.Abort`: request ids are chosen by clients and need not be unique.
 use super::affinity::RequestAffinity;
+use super::candidates::Candidates;
 use super::retry_budget::{RetryBudget, RetryReason};
 use super::wire::{WorkerCodec, WorkerMessage};
 use crate::errors::RouterError;
@@ -110,24 +111,15 @@ impl Attempts {
         let mut last: Option<Status> = None;
         for retry in 0..self.limits.max_attempts.max(1) {
             let all = self.registry.endpoints(&self.request.model, &self.version);
-            let continuing: Vec<Arc<Endpoint>>;
-            let candidates: &[Arc<Endpoint>] = if emitted.is_empty() {
-                &all
-            } else {
-                // A continuation sends the emitted tokens as ids.
-                continuing = all
-                    .iter()
-                    .filter(|e| e.record.continues_from_token_ids)
-                    .cloned()
-                    .collect();
-                &continuing
+            // A continuation sends the emitted tokens as ids.
+            let candidates = Candidates {
+                endpoints: &all,
+                token_ids: !emitted.is_empty(),
+                exclude: &self.tried,
             };
-            let choice = self.affinity.choose(
-                candidates,
-                &self.tried,
-                !route.is_disabled(),
-                &mut rand::rng(),
-            );
+            let choice = self
+                .affinity
+                .choose(&candidates, !route.is_disabled(), &mut rand::rng());
             if !route.is_disabled() {
                 route.record("candidates", choice.candidates.as_str());
             }
