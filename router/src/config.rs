@@ -309,6 +309,7 @@ impl RouterConfig {
                 load_margin: self.worker_choice.cache_aware_load_margin,
                 load_factor: self.worker_choice.cache_aware_load_factor,
                 index_pairs: self.worker_choice.prefix_index_entries as usize,
+                ..AffinitySettings::default()
             },
         }
     }

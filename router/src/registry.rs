@@ -52,6 +52,9 @@ pub struct Endpoint {
     healthy_gauge: metrics::Gauge,
     /// The registry's readiness watcher, woken when draining changes.
     changes: Arc<Notify>,
+    /// Wakes this endpoint's poller to poll now (a call found the worker
+    /// unreachable).
+    recheck: Arc<Notify>,
     /// Dropped when the endpoint leaves the registry: stops its poller.
     _stop: tokio::sync::oneshot::Sender<()>,
 }
@@ -69,6 +72,25 @@ impl Endpoint {
             self.unhealthy_spells.fetch_add(1, Ordering::SeqCst);
         }
         was != healthy
+    }
+
+    /// A call to the worker failed below gRPC (connection refused or reset,
+    /// an HTTP/2 GOAWAY or reset stream; `error` says which): it is
+    /// unhealthy at once, so the next decisions skip it, rather than after
+    /// its next Status poll fails, which for an idle worker may be N /
+    /// budget away (5 s at 1,000 workers and the default budget). Its
+    /// poller polls it now, then as after any failed poll (the base
+    /// interval, doubling), so it is ready again as soon as it answers.
+    /// True if it was healthy.
+    pub fn unreachable(&self, error: &str) -> bool {
+        let was = self.set_healthy(false);
+        if was {
+            self.healthy_gauge.set(0.0);
+            self.changes.notify_one();
+            tracing::warn!(worker = %self.id, addr = %self.record.addr, error, "worker unreachable: a call to it failed in transport; no streams go to it until its status poll answers");
+        }
+        self.recheck.notify_one();
+        was
     }
 
     /// Draining, by the worker's own report or a drain key.
@@ -483,6 +505,7 @@ impl Registry {
             None => endpoint.connect_lazy(),
         };
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel();
+        let recheck = Arc::new(Notify::new());
         let labels = [
             ("model", model.to_string()),
             ("version", version.to_string()),
@@ -506,11 +529,13 @@ impl Registry {
             queue_gauge: metrics::gauge!("llm_queue_depth", &labels),
             healthy_gauge: metrics::gauge!("llm_endpoint_healthy", &labels),
             changes: self.changes.clone(),
+            recheck: recheck.clone(),
             _stop: stop_tx,
         });
         tokio::spawn(poll_status(
             Arc::downgrade(&ep),
             self.polling.clone(),
+            recheck,
             stop_rx,
         ));
         // Under the drain lock, so a drain request cannot slip between the
@@ -671,12 +696,14 @@ pub fn dial_uri(addr: &str, tls: bool) -> Result<String, String> {
 /// Polls a worker's Status until the endpoint is dropped: health, load and
 /// draining come from here, and between polls from the worker's streams
 /// ([`Endpoint::note_load`]); when, [`PollPlan`] says. The first poll is at
-/// once, so a new worker is ready as soon as it answers. Each change of
-/// health is logged once, a worker that never answers included, with the
-/// error.
+/// once, so a new worker is ready as soon as it answers, and so is the one
+/// after a call found the worker unreachable (`recheck`,
+/// [`Endpoint::unreachable`]). Each change of health is logged once, a
+/// worker that never answers included, with the error.
 async fn poll_status(
     ep: std::sync::Weak<Endpoint>,
     polling: Arc<Polling>,
+    recheck: Arc<Notify>,
     mut stop: tokio::sync::oneshot::Receiver<()>,
 ) {
     let plan = polling.plan;
@@ -719,6 +746,7 @@ async fn poll_status(
                 }
                 tokio::select! {
                     _ = tokio::time::sleep(due_in) => {}
+                    _ = recheck.notified() => break,
                     _ = &mut stop => return,
                 }
             }

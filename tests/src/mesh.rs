@@ -47,6 +47,9 @@ pub struct WorkerOpts {
     /// Pass `--worker-id id`; false: the worker names itself (`id` is then
     /// only the name the harness and a static file give it).
     pub pass_worker_id: bool,
+    /// Listen on this port (a worker restarted where it was registered);
+    /// none: a free one.
+    pub port: Option<u16>,
 }
 
 impl WorkerOpts {
@@ -81,6 +84,7 @@ impl WorkerOpts {
             upstream_url: None,
             tls: None,
             pass_worker_id: true,
+            port: None,
         }
     }
 }
@@ -89,7 +93,7 @@ impl WorkerProc {
     /// Starts a worker (the real model unless `opts` asks for the synthetic
     /// engine) and waits until it serves.
     pub async fn start(opts: WorkerOpts, dir: &Path) -> Result<Self> {
-        let port = free_port();
+        let port = opts.port.unwrap_or_else(free_port);
         let mut args: Vec<String> = transport_args(opts.tls.as_ref().map(|t| t.0.as_path()));
         args.extend([
             "--listen".into(),

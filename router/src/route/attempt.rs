@@ -11,6 +11,7 @@
 //! which with the request id names the stream on the worker, for
 //! `Worker.Abort`: request ids are chosen by clients and need not be unique.
 use super::affinity::RequestAffinity;
+use super::candidates::Candidates;
 use super::retry_budget::{RetryBudget, RetryReason};
 use super::wire::{WorkerCodec, WorkerMessage};
 use crate::errors::RouterError;
@@ -110,24 +111,15 @@ impl Attempts {
         let mut last: Option<Status> = None;
         for retry in 0..self.limits.max_attempts.max(1) {
             let all = self.registry.endpoints(&self.request.model, &self.version);
-            let continuing: Vec<Arc<Endpoint>>;
-            let candidates: &[Arc<Endpoint>] = if emitted.is_empty() {
-                &all
-            } else {
-                // A continuation sends the emitted tokens as ids.
-                continuing = all
-                    .iter()
-                    .filter(|e| e.record.continues_from_token_ids)
-                    .cloned()
-                    .collect();
-                &continuing
+            // A continuation sends the emitted tokens as ids.
+            let candidates = Candidates {
+                endpoints: &all,
+                token_ids: !emitted.is_empty(),
+                exclude: &self.tried,
             };
-            let choice = self.affinity.choose(
-                candidates,
-                &self.tried,
-                !route.is_disabled(),
-                &mut rand::rng(),
-            );
+            let choice = self
+                .affinity
+                .choose(&candidates, !route.is_disabled(), &mut rand::rng());
             if !route.is_disabled() {
                 route.record("candidates", choice.candidates.as_str());
             }
@@ -241,6 +233,9 @@ impl Attempts {
                 attempt.ended(status.code());
                 span.record("otel.status_code", "ERROR");
                 if classify(status.code()).is_retryable() {
+                    if in_transport(&status) {
+                        ep.unreachable(status.message());
+                    }
                     Err(CallError::Retry(status))
                 } else {
                     Err(CallError::Fail(RouterError::Worker(status)))
@@ -257,13 +252,29 @@ async fn generate(
     mut call: tonic::Request<WorkerGenerateRequest>,
 ) -> Result<tonic::Response<Streaming<WorkerMessage>>, Status> {
     let mut grpc = tonic::client::Grpc::new(ep.channel.clone());
-    grpc.ready()
-        .await
-        .map_err(|e| Status::unknown(format!("Service was not ready: {e}")))?;
+    if let Err(e) = grpc.ready().await {
+        let mut status = Status::unknown(format!("Service was not ready: {e}"));
+        // Kept as the source: the failure was the connection's.
+        status.set_source(Arc::new(e));
+        return Err(status);
+    }
     call.extensions_mut()
         .insert(tonic::GrpcMethod::new("tokenmesh.v1.Worker", "Generate"));
     let path = http::uri::PathAndQuery::from_static("/tokenmesh.v1.Worker/Generate");
     grpc.server_streaming(call, path, WorkerCodec).await
+}
+
+/// Whether a failed call failed below gRPC: a status the worker sent comes
+/// from its response and has no source; one tonic made of a connection
+/// error (refused, reset, an HTTP/2 GOAWAY or reset stream) keeps that
+/// error as its source. Only UNAVAILABLE, UNKNOWN and INTERNAL count, the
+/// codes tonic gives those errors.
+fn in_transport(status: &Status) -> bool {
+    use tonic::Code;
+    matches!(
+        status.code(),
+        Code::Unavailable | Code::Unknown | Code::Internal
+    ) && std::error::Error::source(status).is_some()
 }
 
 /// Candidates listed one by one on the `route` span; past this many the

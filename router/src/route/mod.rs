@@ -21,6 +21,7 @@
 //! [`Incoming`] and the result into a response.
 pub mod affinity;
 pub mod attempt;
+pub mod candidates;
 pub mod failover;
 pub mod meter;
 pub mod p2c;

@@ -27,7 +27,16 @@ pub fn pick(
     exclude: &[String],
     rng: &mut impl Rng,
 ) -> Option<Arc<Endpoint>> {
-    let eligible = |e: &Arc<Endpoint>| e.ready() && !exclude.contains(&e.id);
+    pick_where(candidates, |e| e.ready() && !exclude.contains(&e.id), rng)
+}
+
+/// [`pick`] among the `candidates` for which `eligible` holds (a
+/// continuation's, say: ready, not tried, and continuing from token ids).
+pub fn pick_where(
+    candidates: &[Arc<Endpoint>],
+    eligible: impl Fn(&Endpoint) -> bool,
+    rng: &mut impl Rng,
+) -> Option<Arc<Endpoint>> {
     let n = candidates.len();
     if n >= 2 {
         let mut first: Option<usize> = None;
@@ -65,12 +74,16 @@ fn lower<'a>(a: &'a Arc<Endpoint>, b: &'a Arc<Endpoint>) -> &'a Arc<Endpoint> {
 /// Why [`pick`] chose what it chose, for the `route` span: with more than one
 /// eligible worker it compared loads, else it took what was left.
 pub fn reason(candidates: &[Arc<Endpoint>], exclude: &[String]) -> &'static str {
+    reason_where(candidates, |e| e.ready() && !exclude.contains(&e.id))
+}
+
+/// [`reason`] for [`pick_where`].
+pub fn reason_where(
+    candidates: &[Arc<Endpoint>],
+    eligible: impl Fn(&Endpoint) -> bool,
+) -> &'static str {
     // Stops at the second eligible worker: that is all the answer needs.
-    let several = candidates
-        .iter()
-        .filter(|e| e.ready() && !exclude.contains(&e.id))
-        .nth(1)
-        .is_some();
+    let several = candidates.iter().filter(|e| eligible(e)).nth(1).is_some();
     if several {
         "lower load of two random ready workers"
     } else {

@@ -44,12 +44,28 @@ pub struct Contender {
 /// The eligible workers taken together.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Field {
-    /// How many there are (at least one).
+    /// How many there are.
     pub eligible: usize,
     /// The least load among them.
     pub least: u32,
     /// Their loads summed.
     pub total: u64,
+}
+
+impl Field {
+    /// No worker yet.
+    pub const EMPTY: Field = Field {
+        eligible: 0,
+        least: u32::MAX,
+        total: 0,
+    };
+
+    /// Counts one more worker, at `load`.
+    pub fn add(&mut self, load: u32) {
+        self.eligible += 1;
+        self.least = self.least.min(load);
+        self.total += u64::from(load);
+    }
 }
 
 /// The load guard's settings.
