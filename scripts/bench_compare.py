@@ -14,6 +14,8 @@ import sys
 
 
 def fmt(values, f):
+    if not values:
+        return "n/a"
     med = f.format(statistics.median(values))
     if len(values) > 1:
         med += " (" + f.format(min(values)) + " to " + f.format(max(values)) + ")"
@@ -44,14 +46,32 @@ def main():
             base, r = runs.get((baseline, rep)), runs.get((p, rep))
             if base is None or r is None:
                 continue
-            d50.append(1000 * (r["ttft_ms"]["p50"] - base["ttft_ms"]["p50"]))
-            d99.append(1000 * (r["ttft_ms"]["p99"] - base["ttft_ms"]["p99"]))
-            ratio.append(100 * r["output_tokens_per_sec"] / base["output_tokens_per_sec"])
+            # A run without a whole request in its window has no TTFT.
+            if r["requests"] > 0 and base["requests"] > 0:
+                d50.append(1000 * (r["ttft_ms"]["p50"] - base["ttft_ms"]["p50"]))
+                d99.append(1000 * (r["ttft_ms"]["p99"] - base["ttft_ms"]["p99"]))
+            if base["output_tokens_per_sec"] > 0:
+                ratio.append(100 * r["output_tokens_per_sec"] / base["output_tokens_per_sec"])
             for code, n in r["errors"].items():
                 errors[code] = errors.get(code, 0) + n
         err = " ".join(f"{k}={v}" for k, v in errors.items()) or "none"
         print(f"| {p} | {fmt(d50, '{:+.0f}')} | {fmt(d99, '{:+.0f}')} | "
               f"{fmt(ratio, '{:.1f}')} % | {err} |")
+    # The baseline's own errors, so that a path is not read as failing alone.
+    errors = {}
+    for (p, _), r in runs.items():
+        if p == baseline:
+            for code, n in r["errors"].items():
+                errors[code] = errors.get(code, 0) + n
+    err = " ".join(f"{k}={v}" for k, v in errors.items()) or "none"
+    print(f"| {baseline} (baseline) | | | | {err} |")
+    # What each path's first error of a code said (meshctl's error_examples).
+    said = {}
+    for (p, rep), r in sorted(runs.items()):
+        for code, text in r.get("error_examples", {}).items():
+            said.setdefault((p, code), (rep, text))
+    for (p, code), (rep, text) in sorted(said.items()):
+        print(f"first {code} on {p} (rep {rep}): {text}")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,8 @@
 #     router from DIR (path router-base, e.g. a build of main) to the rotation.
 # (11) upstream (issue 21): llama-server (scripts/llama-cpp.sh) called
 #     directly against the same llama-server behind the router and an
-#     upstream worker, interleaved, at 1 and 16 streams.
+#     upstream worker, interleaved, same prompts, prompt cache off, at 1 and
+#     16 streams, with the worker's own part of each first token's time.
 # (12) prefix (issue 17): the multi-turn chat workload (meshctl bench chat)
 #     against 4 real-model workers behind one router: cache-aware routing
 #     with prefix caching on, P2C with caching on, and P2C with caching off
@@ -75,9 +76,11 @@ wait_for() { # wait until meshctl can list models at $1
 ROUTER_ARGS=() # extra router flags for the next mesh
 WORKER_PIN=() ROUTER_PIN=() # e.g. (taskset -c 0): where the next mesh's worker and router run
 mesh() { # mesh NAME MODEL_NAME WORKER_ARGS...: one worker and a router; sets WORKER, ROUTER, ROUTER_PID
+  # (WORKER_LOG, WORKER_LOG_FORMAT: the worker's --log and --log-format, default warn and text)
   local name=$1 model=$2; shift 2
   local wp rp; wp=$(free_port); rp=$(free_port)
-  "${WORKER_PIN[@]}" $BIN/tokenmesh-worker --insecure --listen 127.0.0.1:$wp --worker-id "$name" --model-name "$model" --log warn "$@" \
+  "${WORKER_PIN[@]}" $BIN/tokenmesh-worker --insecure --listen 127.0.0.1:$wp --worker-id "$name" --model-name "$model" \
+    --log "${WORKER_LOG:-warn}" --log-format "${WORKER_LOG_FORMAT:-text}" "$@" \
     >"$OUT/$name-worker.log" 2>&1 & pids+=($!)
   printf '[[workers]]\nid = "%s"\nmodel = "%s"\nversion = "v1"\naddr = "http://127.0.0.1:%s"\n\n[models."%s"]\nstable = "v1"\n' \
     "$name" "$model" "$wp" "$model" >"$OUT/$name-static.toml"
@@ -401,34 +404,58 @@ echo "== upstream engine: llama-server directly vs through the router and an ups
 # thread(s), 16 slots; the direct path is its OpenAI-compatible
 # /v1/completions (HTTP/1.1), the mesh path gRPC to the router, which the
 # upstream worker forwards to llama-server's /completion as token ids.
+# Like for like: both paths send the same prompts (the same --seed per
+# repetition), in alternating order, with llama-server's prompt cache off
+# for both (cache_prompt false: meshctl's --extra-body on the direct path,
+# the worker's --upstream-prompt-cache false on the other; --cache-ram 0
+# also stops its host-memory prompt cache, which would otherwise save and
+# load a slot's KV at each slot choice). Short prompts keep the prefill,
+# whose time varies from prompt to prompt, small. The worker logs the parts
+# of each first token's time (its own, /tokenize, /completion), which
+# scripts/upstream_parts.py summarizes apart from llama-server's noise.
 LLAMA_SERVER=${TOKENMESH_LLAMA_CPP:-target/llama.cpp}/bin/llama-server
 [ -x "$LLAMA_SERVER" ] || { echo "no $LLAMA_SERVER: run scripts/llama-cpp.sh" >&2; exit 1; }
 { nproc; uptime; "$LLAMA_SERVER" --version 2>&1 | head -1; } | tee "$OUT/upstream-machine.txt"
 lp=$(free_port)
-"$LLAMA_SERVER" -m "$MODEL" --host 127.0.0.1 --port "$lp" -t "$THREADS" -np 16 -c 16384 --metrics --no-webui \
+"$LLAMA_SERVER" -m "$MODEL" --host 127.0.0.1 --port "$lp" -t "$THREADS" -np 16 -c 16384 --cache-ram 0 --metrics --no-webui \
   >"$OUT/upstream-llama-server.log" 2>&1 & pids+=($!)
 for _ in $(seq 300); do curl -fs "http://127.0.0.1:$lp/health" >/dev/null && break; sleep 0.2; done
+cached() { curl -fs "http://127.0.0.1:$lp/metrics" | awk '/^llamacpp:prompt_tokens_cached_total/ { print $2 + 0 }'; }
 : >"$OUT/upstream-compare.md"
-mesh upstream smollm2-135m-instruct --engine upstream --upstream-url "http://127.0.0.1:$lp" --max-batch 16
-: >"$OUT/upstream.jsonl"
+WORKER_LOG="warn,tokenmesh_worker::upstream::forward=debug" WORKER_LOG_FORMAT=json \
+  mesh upstream smollm2-135m-instruct --engine upstream --upstream-url "http://127.0.0.1:$lp" --max-batch 16 \
+  --upstream-prompt-cache false
+: >"$OUT/upstream.jsonl"; : >"$OUT/upstream-parts.jsonl"
 for c in 1 16; do
   : >"$OUT/upstream-c$c.jsonl"
   for rep in $(seq "$REPS"); do
-    # Each path its own prompts (seed), and the order alternating: a
-    # llama-server slot reuses the prefix of the prompt it served last, so
-    # a path sent prompts the other had just sent would start warm.
     order=(direct router); [ $((rep % 2)) = 0 ] && order=(router direct)
     for to in "${order[@]}"; do
-      if [ $to = direct ]; then args=(--api openai --target "127.0.0.1:$lp"); seed=$((2 * rep));
-      else args=(--target "$ROUTER"); seed=$((2 * rep + 1)); fi
-      $BIN/meshctl bench "${args[@]}" --concurrency $c --max-tokens 32 --prompt-words 32 --temperature 0 \
-        --duration "${UPSTREAM_DURATION:-20}" --warmup 2 --seed "$seed" --output json --no-progress \
+      if [ $to = direct ]; then args=(--api openai --target "127.0.0.1:$lp" --extra-body '{"cache_prompt": false}');
+      else args=(--target "$ROUTER"); fi
+      before=$(cached); lines=$(wc -l <"$OUT/upstream-worker.log")
+      $BIN/meshctl bench "${args[@]}" --concurrency $c --max-tokens 32 --prompt-words "${UPSTREAM_PROMPT_WORDS:-8}" \
+        --temperature 0 --duration "${UPSTREAM_DURATION:-20}" --warmup 2 --seed "$rep" --output json --no-progress \
         | tag "$to" "$rep" | tee -a "$OUT/upstream.jsonl" >>"$OUT/upstream-c$c.jsonl"
+      echo "c=$c rep $rep $to: prompt tokens llama-server took from its cache: $(( $(cached) - before ))" \
+        | tee -a "$OUT/upstream-cache.txt"
+      if [ $to = router ]; then
+        tail -n +$((lines + 1)) "$OUT/upstream-worker.log" \
+          | python3 scripts/upstream_parts.py run streams=$c rep=$rep >>"$OUT/upstream-parts.jsonl"
+      fi
     done
   done
-  echo "-- $c stream(s)" | tee -a "$OUT/upstream-compare.md"
+  { echo "-- $c stream(s): router + upstream worker vs llama-server direct, same prompts, prompt cache off;"
+    echo "   per repetition the difference of TTFT p50s and the ratio of tokens/s, then median (range) over $REPS"
+  } | tee -a "$OUT/upstream-compare.md"
   python3 scripts/bench_compare.py "$OUT/upstream-c$c.jsonl" --baseline direct | tee -a "$OUT/upstream-compare.md"
 done
+{ echo "-- the upstream worker's own part of each first token's time (request in -> first token relayed, less"
+  echo "   its waits on llama-server), per run p50/p99 over its requests, then median (range) over the runs"
+} | tee -a "$OUT/upstream-compare.md"
+python3 scripts/upstream_parts.py summary "$OUT/upstream-parts.jsonl" | tee -a "$OUT/upstream-compare.md"
+echo "-- load average: $(cut -d' ' -f1-3 /proc/loadavg) at the end; at the start: $(sed -n 2p "$OUT/upstream-machine.txt")" \
+  | tee -a "$OUT/upstream-compare.md"
 cleanup; pids=()
 fi
 

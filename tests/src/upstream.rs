@@ -109,7 +109,8 @@ impl LlamaServer {
 /// scripted `/tokenize` gives one id per character, its code point):
 /// `a` → HTTP 500, `b` → a line that is not JSON, `c` → two tokens and then
 /// the end of the stream without a finish, `d` → HTTP 400, `e` → HTTP 503,
-/// anything else → two tokens and a proper finish.
+/// `p` → one token whose text is the request's `cache_prompt` field
+/// (` cache_prompt=true`), anything else → two tokens and a proper finish.
 pub const SCRIPTED_ENGINE: &str = r#"
 import json, sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -159,6 +160,10 @@ class Engine(BaseHTTPRequestHandler):
                 self.wfile.flush()
             if mode == "b":
                 event(b"{this is not json")
+            elif mode == "p":
+                said = " cache_prompt=" + json.dumps(body.get("cache_prompt"))
+                event({"content": said, "tokens": [120], "stop": False, "tokens_predicted": 1})
+                event({"content": "", "tokens": [], "stop": True, "stop_type": "limit", "tokens_predicted": 1})
             else:
                 event({"content": " x", "tokens": [120], "stop": False, "tokens_predicted": 1})
                 event({"content": " y", "tokens": [121], "stop": False, "tokens_predicted": 2})

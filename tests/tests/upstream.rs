@@ -336,6 +336,27 @@ async fn bad_upstream_answers_become_clear_statuses_and_are_counted() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn the_prompt_cache_flag_is_what_the_engine_is_asked_for() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_engine, url) = scripted_engine(dir.path()).await.unwrap();
+    for (extra, says) in [
+        (&[][..], " cache_prompt=true"),
+        (
+            &["--upstream-prompt-cache", "false"][..],
+            " cache_prompt=false",
+        ),
+        (
+            &["--upstream-prompt-cache", "true"][..],
+            " cache_prompt=true",
+        ),
+    ] {
+        let worker = upstream_worker("up", "v1", &url, extra, dir.path()).await;
+        let (_, text) = collect_worker(&worker, prompt_request("p", 4)).await;
+        assert_eq!(text, says, "{extra:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn a_worker_deregisters_while_its_engine_is_away_and_returns_with_it() {
     let dir = tempfile::tempdir().unwrap();
     let etcd = Etcd::start().await.unwrap();

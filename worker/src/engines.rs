@@ -37,8 +37,12 @@ impl ServingEngine {
             Self::Scheduler { model, .. } => request::prepare(model.as_ref(), serving, req),
             Self::Upstream(up) => {
                 let g = request::checked(serving, req)?;
+                let asked = std::time::Instant::now();
                 let prompt = up.encode_prompt(g).await?;
-                request::prepare_tokens(up.limits(), serving, req, g, prompt)
+                let engine_wait = asked.elapsed();
+                let mut prepared = request::prepare_tokens(up.limits(), serving, req, g, prompt)?;
+                prepared.engine_wait = engine_wait;
+                Ok(prepared)
             }
         }
     }
@@ -46,14 +50,18 @@ impl ServingEngine {
     /// Starts a sequence. The scheduler queues it; an upstream engine also
     /// waits for a slot and opens the engine's stream first (bounded by
     /// `deadline`), so that the engine's refusals are this call's statuses.
+    /// `engine_wait` is the time [`Self::prepare`] spent waiting on an
+    /// upstream engine, which its first token's timing leaves out of the
+    /// worker's own time.
     pub async fn submit(
         &self,
         req: SequenceRequest,
         deadline: Option<tokio::time::Instant>,
+        engine_wait: std::time::Duration,
     ) -> Result<(), WorkerError> {
         match self {
             Self::Scheduler { engine, .. } => Ok(engine.submit(req)?),
-            Self::Upstream(up) => up.submit(req, deadline).await,
+            Self::Upstream(up) => up.submit(req, deadline, engine_wait).await,
         }
     }
 

@@ -81,6 +81,9 @@ pub struct Prepared {
     pub stop: Vec<String>,
     pub logprobs: bool,
     pub priority: crate::scheduler::Priority,
+    /// Time spent waiting on an upstream engine to prepare the request (its
+    /// template and tokenizer); zero on the worker's own engine.
+    pub engine_wait: std::time::Duration,
 }
 
 /// The sizes request preparation checks a request against.
@@ -203,6 +206,7 @@ pub fn prepare_tokens(
         stop: g.stop.clone(),
         logprobs: g.logprobs,
         priority: crate::scheduler::Priority::from_wire(g.priority),
+        engine_wait: std::time::Duration::ZERO,
     })
 }
 

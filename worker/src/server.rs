@@ -142,6 +142,7 @@ impl Worker for WorkerService {
                     span: span.clone(),
                 },
                 deadline,
+                prepared.engine_wait,
             )
             .await
             .map_err(|e| refused(&span, &labels, e.into_status()))?;

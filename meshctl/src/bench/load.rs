@@ -45,6 +45,12 @@ pub struct LoadArgs {
     /// --connections, instead of HTTP/1.1 with one connection per stream.
     #[arg(long)]
     pub http2: bool,
+    /// With --api openai: a JSON object whose fields are set on every
+    /// completion request's body (replacing any of the same name), e.g.
+    /// '{"cache_prompt": false}' to turn off the prompt cache of a
+    /// llama-server called directly.
+    #[arg(long, value_name = "JSON", value_parser = super::openai::parse_extra_body)]
+    pub extra_body: Option<super::openai::ExtraBody>,
     /// Model name (default: the only model the target serves).
     #[arg(long)]
     pub model: Option<String>,
@@ -102,6 +108,9 @@ pub struct Sample {
     pub tokens: Vec<(Duration, u32)>,
     /// None: completed with a Finished message; else the status code name.
     pub error: Option<String>,
+    /// With an error: what the failure said (a status's message, an HTTP
+    /// error's causes).
+    pub detail: Option<String>,
 }
 
 /// A finished run.
@@ -211,19 +220,23 @@ impl Shared {
                             self.tokens.fetch_add(n as u64, Ordering::Relaxed);
                             tokens.push((self.t0.elapsed(), n));
                         }
-                        Tick::Done => return Ok(true),
+                        Tick::Done => break,
                     }
                 }
-                Ok::<bool, String>(stream.done())
+                let done = stream.done();
+                if done {
+                    stream.finish().await;
+                }
+                Ok::<bool, super::openai::Failure>(done)
             })
             .await;
-            let error = match outcome {
+            let failure = match outcome {
                 Ok(Ok(true)) => None,
-                Ok(Ok(false)) => Some("INCOMPLETE".to_string()),
-                Ok(Err(code)) => Some(code),
-                Err(_) => Some("CLIENT_TIMEOUT".to_string()),
+                Ok(Ok(false)) => Some(("INCOMPLETE".to_string(), String::new())),
+                Ok(Err(f)) => Some((f.code, f.detail)),
+                Err(_) => Some(("CLIENT_TIMEOUT".to_string(), String::new())),
             };
-            self.record(start, tokens, error);
+            self.record(start, tokens, failure);
             return;
         }
         let outcome = tokio::time::timeout_at(self.hard_end, async {
@@ -242,23 +255,37 @@ impl Shared {
             Ok::<bool, tonic::Status>(false)
         })
         .await;
-        let error = match outcome {
+        let failure = match outcome {
             Ok(Ok(true)) => None,
-            Ok(Ok(false)) => Some("INCOMPLETE".to_string()),
-            Ok(Err(status)) => Some(tokenmesh_proto::codes::code_name(status.code()).to_string()),
-            Err(_) => Some("CLIENT_TIMEOUT".to_string()),
+            Ok(Ok(false)) => Some(("INCOMPLETE".to_string(), String::new())),
+            Ok(Err(status)) => Some((
+                tokenmesh_proto::codes::code_name(status.code()).to_string(),
+                status.message().to_string(),
+            )),
+            Err(_) => Some(("CLIENT_TIMEOUT".to_string(), String::new())),
         };
-        self.record(start, tokens, error);
+        self.record(start, tokens, failure);
     }
 
-    /// Books one finished request.
-    fn record(&self, start: Instant, tokens: Vec<(Duration, u32)>, error: Option<String>) {
+    /// Books one finished request; `failure` is its status code name and
+    /// what the failure said.
+    fn record(
+        &self,
+        start: Instant,
+        tokens: Vec<(Duration, u32)>,
+        failure: Option<(String, String)>,
+    ) {
         self.completed.fetch_add(1, Ordering::Relaxed);
+        let (error, detail) = match failure {
+            Some((code, detail)) => (Some(code), Some(detail).filter(|d| !d.is_empty())),
+            None => (None, None),
+        };
         self.samples.lock().expect("samples lock").push(Sample {
             start: start - self.t0,
             end: self.t0.elapsed(),
             tokens,
             error,
+            detail,
         });
     }
 
@@ -269,6 +296,7 @@ impl Shared {
             end: now,
             tokens: vec![],
             error: Some(code.to_string()),
+            detail: None,
         });
     }
 }
@@ -291,8 +319,16 @@ pub async fn run(args: &LoadArgs, progress: bool) -> anyhow::Result<Run> {
             args.tls.tls_dir.is_none(),
             "--api openai speaks plaintext HTTP only (TLS is not supported by the load generator yet)"
         );
-        openai = Some(OpenAi::new(&args.target, args.http2)?);
+        openai = Some(OpenAi::new(
+            &args.target,
+            args.http2,
+            args.extra_body.clone().unwrap_or_default(),
+        )?);
     } else {
+        anyhow::ensure!(
+            args.extra_body.is_none(),
+            "--extra-body goes with --api openai (a gRPC request has no JSON body)"
+        );
         for _ in 0..args.connections.max(1) {
             channels.push(transport::connect(&args.target, &args.tls).await?);
         }

@@ -21,6 +21,22 @@ use tokenmesh_proto::v1::GenerateRequest;
 pub struct OpenAi {
     client: Client<HttpConnector, Full<Bytes>>,
     base: String,
+    /// Fields set on every completion body (`--extra-body`).
+    extra: ExtraBody,
+}
+
+/// Fields `--extra-body` adds to every completion request.
+pub type ExtraBody = serde_json::Map<String, serde_json::Value>;
+
+/// Parses `--extra-body`: a JSON object.
+pub fn parse_extra_body(text: &str) -> Result<ExtraBody, String> {
+    match serde_json::from_str(text) {
+        Ok(serde_json::Value::Object(map)) => Ok(map),
+        Ok(other) => Err(format!(
+            "a JSON object is needed, e.g. '{{\"cache_prompt\": false}}', not {other}"
+        )),
+        Err(e) => Err(format!("not JSON: {e}")),
+    }
 }
 
 /// What one stream delivers, event by event.
@@ -66,6 +82,46 @@ struct ErrorBody {
     code: Option<String>,
 }
 
+/// Why a stream failed: the status-code name the reports count, and what
+/// was said (the HTTP error's chain of causes, the answer's status).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failure {
+    pub code: String,
+    pub detail: String,
+}
+
+impl Failure {
+    fn new(code: impl Into<String>, detail: impl Into<String>) -> Self {
+        Self {
+            code: code.into(),
+            detail: detail.into(),
+        }
+    }
+}
+
+/// An error and its sources on one line (hyper's own says only "client
+/// error (SendRequest)").
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
+/// Whether the connection closed before any byte of an answer arrived
+/// (hyper: "connection closed before message completed"); a refused
+/// connection is not.
+fn closed_before_answer(e: &hyper_util::client::legacy::Error) -> bool {
+    !e.is_connect()
+        && std::error::Error::source(e)
+            .and_then(|s| s.downcast_ref::<hyper::Error>())
+            .is_some_and(hyper::Error::is_incomplete_message)
+}
+
 /// The status-code name an HTTP status stands for, as the reports list errors.
 fn code_of(status: u16) -> String {
     match status {
@@ -83,7 +139,7 @@ fn code_of(status: u16) -> String {
 impl OpenAi {
     /// A client of the router's HTTP API at `addr` (`host:port` or an
     /// `http://` URL).
-    pub fn new(addr: &str, http2: bool) -> anyhow::Result<Self> {
+    pub fn new(addr: &str, http2: bool, extra: ExtraBody) -> anyhow::Result<Self> {
         let base = super::transport::url(addr);
         anyhow::ensure!(
             base.starts_with("http://"),
@@ -99,11 +155,12 @@ impl OpenAi {
         Ok(Self {
             client,
             base: base.trim_end_matches('/').to_string(),
+            extra,
         })
     }
 
-    /// Starts one streamed completion; the error is a status-code name.
-    pub async fn generate(&self, req: &GenerateRequest) -> Result<SseStream, String> {
+    /// Starts one streamed completion.
+    pub async fn generate(&self, req: &GenerateRequest) -> Result<SseStream, Failure> {
         let mut body = serde_json::json!({
             "model": req.model,
             "prompt": req.prompt,
@@ -116,17 +173,36 @@ impl OpenAi {
         if let Some(t) = req.temperature {
             body["temperature"] = t.into();
         }
-        let request = http::Request::post(format!("{}/v1/completions", self.base))
-            .header(http::header::CONTENT_TYPE, "application/json")
-            .body(Full::new(Bytes::from(body.to_string())))
-            .map_err(|_| "CLIENT_ERROR".to_string())?;
-        let response = self
-            .client
-            .request(request)
-            .await
-            .map_err(|_| "UNAVAILABLE".to_string())?;
-        if !response.status().is_success() {
-            return Err(code_of(response.status().as_u16()));
+        for (k, v) in &self.extra {
+            body[k] = v.clone();
+        }
+        let body = Bytes::from(body.to_string());
+        let request = || {
+            http::Request::post(format!("{}/v1/completions", self.base))
+                .header(http::header::CONTENT_TYPE, "application/json")
+                .body(Full::new(body.clone()))
+                .map_err(|e| Failure::new("CLIENT_ERROR", e.to_string()))
+        };
+        // A kept-alive connection the server closed as the request went out
+        // (llama-server's HTTP server ends idle and spent connections) never
+        // reached it: sent once more, as OpenAI's own clients do.
+        let response = match self.client.request(request()?).await {
+            Err(e) if closed_before_answer(&e) => self.client.request(request()?).await,
+            other => other,
+        }
+        .map_err(|e| Failure::new("UNAVAILABLE", error_chain(&e)))?;
+        let status = response.status();
+        if !status.is_success() {
+            // The answer's message, bounded, for the report's example.
+            let body = http_body_util::Limited::new(response.into_body(), 4096)
+                .collect()
+                .await
+                .map(|c| String::from_utf8_lossy(&c.to_bytes()).into_owned())
+                .unwrap_or_default();
+            return Err(Failure::new(
+                code_of(status.as_u16()),
+                format!("HTTP {status}: {}", body.trim()),
+            ));
         }
         Ok(SseStream {
             body: response.into_body(),
@@ -168,7 +244,7 @@ impl OpenAi {
 
 impl SseStream {
     /// The next event; `Ok(None)` when the stream ended without `[DONE]`.
-    pub async fn next(&mut self) -> Result<Option<Tick>, String> {
+    pub async fn next(&mut self) -> Result<Option<Tick>, Failure> {
         loop {
             if let Some(end) = find(&self.buf, b"\n\n") {
                 let event: Vec<u8> = self.buf.drain(..end + 2).collect();
@@ -186,13 +262,18 @@ impl SseStream {
                         self.buf.extend_from_slice(&data);
                     }
                 }
-                Some(Err(_)) => return Err("UNAVAILABLE".into()),
+                Some(Err(e)) => {
+                    return Err(Failure::new(
+                        "UNAVAILABLE",
+                        format!("reading the stream: {}", error_chain(&e)),
+                    ))
+                }
                 None => self.eof = true,
             }
         }
     }
 
-    fn event(&mut self, event: &[u8]) -> Result<Option<Tick>, String> {
+    fn event(&mut self, event: &[u8]) -> Result<Option<Tick>, Failure> {
         let Some(data) = event.strip_prefix(b"data: ") else {
             return Ok(None);
         };
@@ -208,13 +289,15 @@ impl SseStream {
                 Tick::Done
             }));
         }
-        let chunk: Chunk = serde_json::from_slice(data).map_err(|_| "BAD_CHUNK".to_string())?;
+        let chunk: Chunk =
+            serde_json::from_slice(data).map_err(|e| Failure::new("BAD_CHUNK", e.to_string()))?;
         if let Some(e) = chunk.error {
-            return Err(match e.code.as_deref() {
-                Some("timeout") => "DEADLINE_EXCEEDED".into(),
-                Some("rate_limit_exceeded") => "RESOURCE_EXHAUSTED".into(),
-                _ => "STREAM_ERROR".into(),
-            });
+            let code = match e.code.as_deref() {
+                Some("timeout") => "DEADLINE_EXCEEDED",
+                Some("rate_limit_exceeded") => "RESOURCE_EXHAUSTED",
+                _ => "STREAM_ERROR",
+            };
+            return Err(Failure::new(code, String::from_utf8_lossy(data)));
         }
         if let Some(u) = chunk.usage {
             self.usage = Some(u.completion_tokens);
@@ -234,6 +317,23 @@ impl SseStream {
     pub fn done(&self) -> bool {
         self.done
     }
+
+    /// Reads the body past `[DONE]` to its end (bounded), as OpenAI's
+    /// clients do, so that hyper pools the connection for the next request
+    /// instead of closing it.
+    pub async fn finish(mut self) {
+        let mut left = 64usize << 10;
+        let read = async {
+            while let Some(Ok(frame)) = self.body.frame().await {
+                let n = frame.data_ref().map_or(0, |d| d.len());
+                left = match left.checked_sub(n) {
+                    Some(l) => l,
+                    None => return,
+                };
+            }
+        };
+        let _ = tokio::time::timeout(Duration::from_secs(1), read).await;
+    }
 }
 
 fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
@@ -249,5 +349,17 @@ mod tests {
         assert_eq!(code_of(429), "RESOURCE_EXHAUSTED");
         assert_eq!(code_of(504), "DEADLINE_EXCEEDED");
         assert_eq!(code_of(418), "HTTP_418");
+    }
+
+    #[test]
+    fn extra_bodies_are_json_objects() {
+        let extra = parse_extra_body(r#"{"cache_prompt": false, "n_probs": 0}"#).unwrap();
+        assert_eq!(extra["cache_prompt"], false);
+        assert_eq!(extra.len(), 2);
+        let err = parse_extra_body("[1]").unwrap_err();
+        assert!(err.contains("a JSON object is needed"), "{err}");
+        assert!(parse_extra_body("{cache_prompt")
+            .unwrap_err()
+            .starts_with("not JSON"));
     }
 }

@@ -30,6 +30,9 @@ pub struct Report {
     pub requests: u64,
     /// Failed requests started after the warm-up, by status code.
     pub errors: BTreeMap<String, u64>,
+    /// What the first failure of each code said, where it said something.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub error_examples: BTreeMap<String, String>,
     /// Successful requests that ended inside the window, per second.
     pub requests_per_sec: f64,
     /// Tokens that arrived inside the window, per second.
@@ -73,6 +76,7 @@ pub fn summarize(run: &Run, labels: BTreeMap<String, String>) -> Report {
     let window = (to - from).as_secs_f64();
     let (mut ttft, mut itl, mut e2e) = (histogram(), histogram(), histogram());
     let mut errors = BTreeMap::new();
+    let mut error_examples = BTreeMap::new();
     let mut requests = 0;
     let mut tokens_in_window = 0u64;
     let mut ended_in_window = 0u64;
@@ -91,6 +95,11 @@ pub fn summarize(run: &Run, labels: BTreeMap<String, String>) -> Report {
         }
         if let Some(code) = &s.error {
             *errors.entry(code.clone()).or_insert(0) += 1;
+            if let Some(detail) = &s.detail {
+                error_examples
+                    .entry(code.clone())
+                    .or_insert_with(|| detail.clone());
+            }
             continue;
         }
         requests += 1;
@@ -117,6 +126,7 @@ pub fn summarize(run: &Run, labels: BTreeMap<String, String>) -> Report {
         window_s: window,
         requests,
         errors,
+        error_examples,
         requests_per_sec: ended_in_window as f64 / window,
         output_tokens_per_sec: tokens_per_sec,
         ttft_ms: percentiles(&ttft),
@@ -182,6 +192,9 @@ fn table(r: &Report) -> String {
         r.window_s,
         errors_text(r)
     ));
+    for (code, said) in &r.error_examples {
+        s.push_str(&format!("  first {code}: {said}\n"));
+    }
     s.push_str(&format!(
         "requests/s {:.2}   output tokens/s {:.1}   normalised tokens/s {:.1}\n",
         r.requests_per_sec, r.output_tokens_per_sec, r.normalised_tokens_per_sec
@@ -234,6 +247,7 @@ mod tests {
             end: ms(start + gap * n),
             tokens: (1..=n).map(|i| (ms(start + gap * i), 1)).collect(),
             error: None,
+            detail: None,
         }
     }
 
@@ -246,6 +260,7 @@ mod tests {
             end: ms(301),
             tokens: vec![],
             error: Some("RESOURCE_EXHAUSTED".into()),
+            detail: Some("the worker's queue is full".into()),
         });
         let run = Run {
             samples,
@@ -255,6 +270,10 @@ mod tests {
         let r = summarize(&run, BTreeMap::new());
         assert_eq!(r.requests, 2);
         assert_eq!(r.errors.get("RESOURCE_EXHAUSTED"), Some(&1));
+        assert_eq!(
+            r.error_examples["RESOURCE_EXHAUSTED"],
+            "the worker's queue is full"
+        );
         // Tokens at 100..=200, 220..=400, 420..=600: 6 + 10 + 10.
         assert!((r.output_tokens_per_sec - 26.0 / 0.5).abs() < 1e-9);
         assert!((r.requests_per_sec - 3.0 / 0.5).abs() < 1e-9);

@@ -267,6 +267,7 @@ fn point_load(args: &SweepArgs, router: &str, model: &str, concurrency: u32) -> 
         direct: false,
         api: super::load::Api::Grpc,
         http2: false,
+        extra_body: None,
         model: Some(model.to_string()),
         concurrency: concurrency as usize,
         rate: None,

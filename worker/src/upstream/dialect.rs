@@ -24,6 +24,8 @@ pub struct CompletionAsk<'a> {
     pub sampling: &'a SamplingParams,
     pub stop: &'a [String],
     pub logprobs: bool,
+    /// llama-server: reuse a slot's cached prompt prefix.
+    pub cache_prompt: bool,
 }
 
 /// The path and JSON body of a streaming completion.
@@ -40,7 +42,7 @@ pub fn completion_request(
                 "n_predict": ask.max_new_tokens,
                 "stream": true,
                 "return_tokens": true,
-                "cache_prompt": true,
+                "cache_prompt": ask.cache_prompt,
                 "temperature": s.temperature,
                 "top_p": s.top_p,
                 "top_k": s.top_k,
@@ -292,6 +294,7 @@ mod tests {
             sampling: &sampling,
             stop: &["\n".to_string()],
             logprobs: true,
+            cache_prompt: true,
         };
         let (path, body) = completion_request(UpstreamKind::LlamaServer, "m", &ask);
         assert_eq!(path, "/completion");
@@ -302,6 +305,13 @@ mod tests {
         assert_eq!(body["seed"], 7);
         assert_eq!(body["n_probs"], 1);
         assert_eq!(body["stop"], json!(["\n"]));
+        assert_eq!(body["cache_prompt"], true);
+        let uncached = CompletionAsk {
+            cache_prompt: false,
+            ..ask.clone()
+        };
+        let (_, body) = completion_request(UpstreamKind::LlamaServer, "m", &uncached);
+        assert_eq!(body["cache_prompt"], false);
         let (path, body) = completion_request(UpstreamKind::Vllm, "m", &ask);
         assert_eq!(path, "/v1/completions");
         assert_eq!(body["model"], "m");

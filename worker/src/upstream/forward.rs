@@ -11,7 +11,7 @@ use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 
 /// What a forwarded sequence needs besides its request.
@@ -24,6 +24,49 @@ pub(super) struct Forward {
     pub labels: Vec<(&'static str, String)>,
     /// Stops the sequence as CANCELLED.
     pub abort: oneshot::Receiver<()>,
+    pub timing: FirstToken,
+}
+
+/// What the first token's time to arrive is made of, so that the worker's
+/// own part of it is measured apart from the engine's (whose prefill
+/// varies by far more than the worker adds).
+pub(super) struct FirstToken {
+    /// Preparing the request waited this long on the engine (tokenize).
+    pub tokenize: Duration,
+    /// When the completion request was sent.
+    pub asked: Instant,
+}
+
+impl FirstToken {
+    /// Records the parts of the first token's time, which arrived from the
+    /// engine at `arrived` and is relayed now: `tokenize` and `completion`
+    /// (the engine's, request sent → the event read) and `worker` (all the
+    /// rest since the request came in: parsing, queueing for a slot,
+    /// building the body, parsing the event, the hand-off to the reply).
+    fn record(&self, req: &SequenceRequest, arrived: Instant, labels: &[(&'static str, String)]) {
+        let total = req.enqueued.elapsed();
+        let completion = arrived.saturating_duration_since(self.asked);
+        let worker = total.saturating_sub(self.tokenize + completion);
+        for (part, d) in [
+            ("tokenize", self.tokenize),
+            ("completion", completion),
+            ("worker", worker),
+        ] {
+            let mut labels = labels.to_vec();
+            labels.push(("part", part.to_string()));
+            metrics::histogram!("tokenmesh_worker_upstream_first_token_seconds", &labels)
+                .record(d.as_secs_f64());
+        }
+        // One line per request at debug level: the benchmark reads the
+        // worker's part from it (the histogram's buckets are too coarse for
+        // tens of microseconds).
+        tracing::debug!(
+            tokenize_us = self.tokenize.as_micros() as u64,
+            completion_us = completion.as_micros() as u64,
+            worker_us = worker.as_micros() as u64,
+            "upstream first token"
+        );
+    }
 }
 
 /// The sequence's progress.
@@ -39,8 +82,15 @@ struct Progress {
 }
 
 impl Forward {
-    /// Relays `body` to `req.events` until the sequence ends.
-    pub(super) async fn run(mut self, mut body: Incoming, req: SequenceRequest) {
+    /// Relays `body` to `req.events` until the sequence ends; the body's
+    /// rest after a finish, to be read to its end so that its connection
+    /// goes back to the pool (an aborted or failed stream's is dropped,
+    /// which is what stops the engine's work on it).
+    pub(super) async fn run(
+        mut self,
+        mut body: Incoming,
+        req: SequenceRequest,
+    ) -> Option<Incoming> {
         let mut parser = SseParser::default();
         let mut progress = Progress {
             tokens: 0,
@@ -53,7 +103,7 @@ impl Forward {
                 f = body.frame() => f,
                 _ = req.events.closed() => {
                     tracing::debug!("reply gone; dropping the engine's stream");
-                    return;
+                    return None;
                 }
                 _ = &mut self.abort => break Ok(Some((Finish::Cancelled, None))),
             };
@@ -74,9 +124,10 @@ impl Forward {
                     Err(_) => continue, // trailers
                 },
             };
+            let arrived = Instant::now();
             match parser
                 .push(&data)
-                .and_then(|events| self.events(&events, &req, &mut progress))
+                .and_then(|events| self.events(&events, &req, &mut progress, arrived))
             {
                 Ok(None) => {}
                 Ok(Some(end)) => break Ok(Some(end)),
@@ -85,6 +136,7 @@ impl Forward {
         };
         match outcome {
             Ok(Some((reason, stop))) => {
+                let finished = reason != Finish::Cancelled;
                 let _ = req.events.send(Event::Finished {
                     reason,
                     stop,
@@ -93,13 +145,15 @@ impl Forward {
                     first_token: progress.first_token,
                     total: req.enqueued.elapsed(),
                 });
+                finished.then_some(body)
             }
-            Ok(None) => {}
+            Ok(None) => None,
             Err(e) => {
                 tracing::warn!(error = %e, tokens = progress.tokens, "upstream stream failed");
                 e.count(&self.labels);
                 let status = tonic::Status::new(e.code(), e.to_string());
                 let _ = req.events.send(Event::Status(status));
+                None
             }
         }
     }
@@ -110,6 +164,7 @@ impl Forward {
         events: &[String],
         req: &SequenceRequest,
         progress: &mut Progress,
+        arrived: Instant,
     ) -> Result<Option<(Finish, Option<String>)>, UpstreamError> {
         for data in events {
             let chunk = parse_event(self.kind, data)?;
@@ -119,7 +174,7 @@ impl Forward {
                 });
             }
             let end = chunk.end.clone();
-            self.chunk(chunk, req, progress);
+            self.chunk(chunk, req, progress, arrived);
             if let Some(end) = end {
                 return Ok(Some(match end {
                     End::Eos => (Finish::Eos, None),
@@ -132,7 +187,13 @@ impl Forward {
     }
 
     /// Sends a chunk's tokens, its text with the last of them.
-    fn chunk(&self, chunk: Chunk, req: &SequenceRequest, progress: &mut Progress) {
+    fn chunk(
+        &self,
+        chunk: Chunk,
+        req: &SequenceRequest,
+        progress: &mut Progress,
+        arrived: Instant,
+    ) {
         let Chunk {
             tokens,
             text,
@@ -182,6 +243,9 @@ impl Forward {
                 text,
                 logprob: req.logprobs.then(|| logprobs.get(i).copied()).flatten(),
             });
+            if progress.tokens == 1 {
+                self.timing.record(req, arrived, &self.labels);
+            }
         }
     }
 }

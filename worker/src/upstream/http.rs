@@ -92,15 +92,26 @@ impl EngineHttp {
             .expect("a request from a checked base URL")
     }
 
-    /// Sends a request and waits for the answer's head.
+    /// Sends a request and waits for the answer's head. A request whose
+    /// connection the engine closed before answering a byte is sent once
+    /// more: that is a kept-alive connection the engine closed as the
+    /// request went out (llama-server's HTTP server ends idle and spent
+    /// connections), so the engine never saw it, and none of the engines'
+    /// calls has effects beyond its own answer.
     async fn send(
         &self,
         req: Request<Full<Bytes>>,
     ) -> Result<http::Response<Incoming>, UpstreamError> {
-        self.client
-            .request(req)
-            .await
-            .map_err(|e| UpstreamError::Unreachable(error_chain(&e)))
+        let again = clone_request(&req);
+        match self.client.request(req).await {
+            Err(e) if closed_before_answer(&e) => {
+                tracing::debug!(error = %error_chain(&e), "engine closed the connection unanswered; sending again");
+                metrics::counter!("tokenmesh_worker_upstream_resent_total").increment(1);
+                self.client.request(again).await
+            }
+            other => other,
+        }
+        .map_err(|e| UpstreamError::Unreachable(error_chain(&e)))
     }
 
     /// `GET path`: the status and the whole (bounded) body.
@@ -167,6 +178,41 @@ impl EngineHttp {
             .await
             .map_err(|_| UpstreamError::Timeout(self.timeout))?
     }
+}
+
+/// The most of a finished stream's rest that is read to keep its
+/// connection, and how long that may take: an engine sends at most a usage
+/// event and `[DONE]` after the finish.
+const DRAIN_BYTES: usize = 64 << 10;
+const DRAIN_TIME: Duration = Duration::from_secs(1);
+
+/// Reads what follows a stream's finish to the body's end, so that hyper
+/// returns its connection to the pool instead of closing it (a closed one
+/// costs the next request a new connection); past the bounds it is dropped.
+pub async fn drain(body: Incoming) {
+    let read = Limited::new(body, DRAIN_BYTES).collect();
+    if let Ok(Err(e)) = tokio::time::timeout(DRAIN_TIME, read).await {
+        tracing::debug!(error = %e, "the rest of a finished stream was not read");
+    }
+}
+
+/// A copy of a request with a whole body, to send again.
+fn clone_request(req: &Request<Full<Bytes>>) -> Request<Full<Bytes>> {
+    let mut copy = Request::new(req.body().clone());
+    *copy.method_mut() = req.method().clone();
+    *copy.uri_mut() = req.uri().clone();
+    *copy.headers_mut() = req.headers().clone();
+    copy
+}
+
+/// Whether the connection closed before any byte of an answer arrived
+/// (hyper: "connection closed before message completed"), not a refused
+/// connection, which sending again would not mend.
+fn closed_before_answer(e: &hyper_util::client::legacy::Error) -> bool {
+    !e.is_connect()
+        && std::error::Error::source(e)
+            .and_then(|s| s.downcast_ref::<hyper::Error>())
+            .is_some_and(hyper::Error::is_incomplete_message)
 }
 
 async fn read_bounded(body: Incoming) -> Result<Bytes, UpstreamError> {

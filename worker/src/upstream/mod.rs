@@ -82,6 +82,20 @@ pub struct UpstreamArgs {
         value_parser = clap::value_parser!(u64).range(1..=600_000)
     )]
     pub upstream_timeout_ms: u64,
+
+    /// Upstream llama-server only: whether each completion asks it to reuse
+    /// a slot's cached prompt prefix (`cache_prompt`). `false` makes every
+    /// request prefill its whole prompt, e.g. to compare like for like with
+    /// clients that send `cache_prompt: false`. vLLM's prefix caching is a
+    /// server flag (`--enable-prefix-caching`) and ignores this.
+    #[arg(
+        long,
+        env = "TOKENMESH_UPSTREAM_PROMPT_CACHE",
+        default_value_t = true,
+        action = clap::ArgAction::Set,
+        value_name = "BOOL"
+    )]
+    pub upstream_prompt_cache: bool,
 }
 
 /// The API an upstream engine speaks.
@@ -135,6 +149,8 @@ pub struct UpstreamEngine {
     queue: Arc<load::Queue>,
     slots: Arc<Semaphore>,
     queue_capacity: usize,
+    /// llama-server's `cache_prompt` on every completion.
+    prompt_cache: bool,
     aborts: Aborts,
     labels: Vec<(&'static str, String)>,
     /// The engine answered its last health poll.
@@ -147,6 +163,8 @@ pub struct Setup {
     pub kind: UpstreamKind,
     pub accelerator: String,
     pub poll: Duration,
+    /// llama-server's `cache_prompt` (--upstream-prompt-cache).
+    pub prompt_cache: bool,
 }
 
 impl Setup {
@@ -167,6 +185,7 @@ impl Setup {
             kind,
             accelerator,
             poll: Duration::from_millis(args.upstream_poll_ms),
+            prompt_cache: args.upstream_prompt_cache,
         })
     }
 
@@ -208,6 +227,7 @@ impl Setup {
             queue: Arc::default(),
             slots: Arc::new(Semaphore::new(max_in_flight.max(1))),
             queue_capacity,
+            prompt_cache: self.prompt_cache,
             aborts: Aborts::default(),
             labels,
             healthy: Arc::default(),
@@ -255,10 +275,12 @@ impl UpstreamEngine {
 
     /// Waits for a slot (refusing at once when the queue is full), opens the
     /// engine's stream and relays it to `req.events` from a task of its own.
+    /// `tokenize` is how long preparing the request waited on the engine.
     pub async fn submit(
         &self,
         req: SequenceRequest,
         deadline: Option<tokio::time::Instant>,
+        tokenize: Duration,
     ) -> Result<(), WorkerError> {
         if self.stats.draining.load(Ordering::SeqCst) {
             return Err(SubmitError::Draining.into());
@@ -296,8 +318,10 @@ impl UpstreamEngine {
             sampling: &req.sampling,
             stop: &req.stop,
             logprobs: req.logprobs,
+            cache_prompt: self.prompt_cache,
         };
         let (path, body) = dialect::completion_request(self.kind, &self.info.model, &ask);
+        let asked = std::time::Instant::now();
         let open = self.http.post_stream(path, &body);
         let opened = match deadline {
             Some(d) => tokio::time::timeout_at(d, open)
@@ -321,14 +345,18 @@ impl UpstreamEngine {
             stats: self.stats.clone(),
             labels: self.labels.clone(),
             abort: abort_rx,
+            timing: forward::FirstToken { tokenize, asked },
         };
         let aborts = self.aborts.clone();
         let span = req.span.clone();
         tokio::spawn(
             async move {
-                forward.run(stream, req).await;
+                let rest = forward.run(stream, req).await;
                 aborts.lock().expect("aborts lock").remove(&key);
                 drop((active, permit));
+                if let Some(body) = rest {
+                    http::drain(body).await;
+                }
             }
             .instrument(span),
         );
