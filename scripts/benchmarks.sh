@@ -309,6 +309,8 @@ for c in 20 100; do
   python3 scripts/bench_compare.py "$OUT/hop-c$c.jsonl" | tee "$OUT/hop-c$c-compare.md"
 done
 cleanup; pids=()
+echo "== hop summary: proxy CPU per streamed token (utime+stime / tokens streamed), target: router <= nginx"
+python3 scripts/hop_summary.py "$OUT/hop-cpu.txt" | tee "$OUT/hop-summary.md"
 fi
 
 if want observability; then
@@ -350,6 +352,26 @@ cleanup; pids=()
 [ -s "$OUT/otlp-sink.log" ] && cat "$OUT/otlp-sink.log"
 python3 scripts/bench_compare.py "$OUT/observability.jsonl" | tee "$OUT/observability-compare.md"
 python3 scripts/bench_compare.py "$OUT/observability.jsonl" --baseline router-off | tee -a "$OUT/observability-compare.md"
+echo "== observability summary (router-on against router-off, same repetition; target: tokens/s within 2 %, TTFT p50 +0.3 ms at most)"
+python3 - "$OUT/observability.jsonl" <<'PY' | tee "$OUT/observability-summary.md"
+import json, statistics, sys
+runs = {}
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    runs.setdefault(r["labels"]["rep"], {})[r["labels"]["path"]] = r
+tps, ttft = [], []
+for rep, by in sorted(runs.items(), key=lambda kv: str(kv[0])):
+    on, off = by.get("router-on"), by.get("router-off")
+    if not (on and off):
+        continue
+    tps.append(100 * on["output_tokens_per_sec"] / off["output_tokens_per_sec"])
+    p = lambda r: (r.get("ttft_ms") or {}).get("p50")
+    if p(on) is not None and p(off) is not None:
+        ttft.append(p(on) - p(off))
+fmt = lambda v, u: f"{statistics.median(v):.2f}{u} ({min(v):.2f} to {max(v):.2f}, {len(v)} pairs)" if v else "n/a"
+print(f"tokens/s, on as % of off: {fmt(tps, ' %')}")
+print(f"added TTFT p50, on minus off: {fmt(ttft, ' ms')}")
+PY
 fi
 
 if want sampling; then

@@ -25,7 +25,8 @@ callgrind_control -d $RP >/dev/null
 sleep 1
 kill $RP; wait $RP 2>/dev/null || true
 f=$(ls -S $OUTP.$RP* | head -1)
-ir=$(callgrind_annotate $f 2>/dev/null | grep -m1 'PROGRAM TOTALS' | awk '{gsub(",","",$1); print $1}')
+# awk reads to the end: `grep -m1` closing the pipe early fails the script under pipefail.
+ir=$(callgrind_annotate $f 2>/dev/null | awk '/PROGRAM TOTALS/ && !done {gsub(",","",$1); print $1; done=1}')
 python3 -c "
 import json,sys
 r=json.load(open('$OUTP.bench.json'))

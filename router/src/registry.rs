@@ -2,10 +2,12 @@
 //! worker with its channel and live load. Discovery backends write it; the
 //! request path reads it.
 use crate::config::ChannelSettings;
+use crate::route::meter::StreamSeries;
+use crate::route::Api;
 use crate::stats::{Stats, WorkerViews};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, OnceLock, RwLock};
 use std::time::Duration;
 use tokenmesh_certs::tls::{Identity, MeshTls, Role};
 use tokenmesh_proto::records::{PolicyRecord, WorkerRecord, WorkerView};
@@ -50,6 +52,9 @@ pub struct Endpoint {
     /// once: in-band reports set them once per stream.
     queue_gauge: metrics::Gauge,
     healthy_gauge: metrics::Gauge,
+    /// The series of the streams it serves, by front door (gRPC, OpenAI),
+    /// each made at its first stream.
+    stream_series: [OnceLock<Arc<StreamSeries>>; 2],
     /// The registry's readiness watcher, woken when draining changes.
     changes: Arc<Notify>,
     /// Wakes this endpoint's poller to poll now (a call found the worker
@@ -60,6 +65,16 @@ pub struct Endpoint {
 }
 
 impl Endpoint {
+    /// The metric series of a stream of this model version through `api`.
+    pub fn stream_series(&self, api: Api) -> Arc<StreamSeries> {
+        let slot = match api {
+            Api::Grpc => &self.stream_series[0],
+            Api::Openai => &self.stream_series[1],
+        };
+        slot.get_or_init(|| Arc::new(StreamSeries::new(&self.model, &self.version, api)))
+            .clone()
+    }
+
     /// Whether new streams may go here.
     pub fn ready(&self) -> bool {
         self.healthy.load(Ordering::SeqCst) && !self.is_draining()
@@ -528,6 +543,7 @@ impl Registry {
             epoch: Instant::now(),
             queue_gauge: metrics::gauge!("llm_queue_depth", &labels),
             healthy_gauge: metrics::gauge!("llm_endpoint_healthy", &labels),
+            stream_series: Default::default(),
             changes: self.changes.clone(),
             recheck: recheck.clone(),
             _stop: stop_tx,

@@ -9,7 +9,7 @@ use crate::registry::Registry;
 use crate::route::version::has_canary;
 use crate::route::wire::{ClientCodec, Outgoing};
 use crate::route::{
-    request_span, Api, ClientEvents, ClientMessages, Incoming, RouteSettings, Router,
+    request_trace, Api, ClientEvents, ClientMessages, Incoming, RouteSettings, Router,
 };
 use std::convert::Infallible;
 use std::future::Future;
@@ -23,7 +23,7 @@ use tokenmesh_proto::v1::{
     GenerateRequest, ListModelsRequest, ListModelsResponse, ModelInfo, VersionInfo,
 };
 use tokenmesh_proto::validate::{check_id, check_name, check_request, MAX_NAME_BYTES};
-use tokenmesh_runtime::telemetry;
+use tokenmesh_runtime::telemetry::Unsampled;
 use tonic::body::Body;
 use tonic::metadata::MetadataMap;
 use tonic::server::{NamedService, ServerStreamingService};
@@ -105,6 +105,7 @@ fn incoming(
         deadline,
         started,
         api: Api::Grpc,
+        unsampled: None,
     })
 }
 
@@ -115,8 +116,10 @@ impl InferenceService {
         &self,
         request: Request<GenerateRequest>,
         span: tracing::Span,
+        unsampled: Option<Unsampled>,
     ) -> Result<Response<ClientEvents>, RouterError> {
-        let incoming = incoming(request, &span)?;
+        let mut incoming = incoming(request, &span)?;
+        incoming.unsampled = unsampled;
         let routed = self.router.route(incoming, &span).await?;
         let mut response = Response::new(routed.stream.encoded());
         if let Ok(v) = routed.version.parse() {
@@ -133,15 +136,14 @@ impl InferenceService {
         &self,
         request: Request<GenerateRequest>,
     ) -> Result<Response<ClientEvents>, Status> {
-        let span = request_span(Api::Grpc);
-        telemetry::adopt_parent(&span, request.metadata());
+        let (span, unsampled) = request_trace(Api::Grpc, request.metadata());
         // Kept for the refusal's metric label, if it can be one at all.
         let asked = Some(&request.get_ref().model)
             .filter(|m| m.len() <= MAX_NAME_BYTES)
             .cloned()
             .unwrap_or_default();
         match self
-            .start(request, span.clone())
+            .start(request, span.clone(), unsampled)
             .instrument(span.clone())
             .await
         {

@@ -14,16 +14,28 @@
 //! OpenTelemetry context attached on every entry (tokenmesh propagates
 //! context from the span itself, [`inject`]). Each of those cost work on
 //! every poll of an instrumented task, which for a streaming relay is every
-//! token (issue 20). Metrics are recorded for Prometheus
+//! token (issue 20).
+//!
+//! With `--trace-sampling-ratio`, a request's trace is decided before any of
+//! its spans exists ([`sampling`]): an unsampled request makes no spans at
+//! all (creating and recording them, to be dropped by the sampler at the
+//! end, cost about as much as exporting them), and passes an unsampled
+//! `traceparent` on so that the next service, parent-based, skips them too.
+//! Metrics are recorded for Prometheus
 //! when `--metrics-listen` is given; the listener itself, which also answers
 //! the health probes, is [`crate::probes`].
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator};
-use opentelemetry::trace::{TraceContextExt, TracerProvider as _};
-use opentelemetry::Context;
+use opentelemetry::trace::{
+    Link, SpanContext, SpanKind, TraceContextExt, TraceFlags, TraceId, TraceState,
+    TracerProvider as _,
+};
+use opentelemetry::{Context, KeyValue};
 use opentelemetry_otlp::WithExportConfig;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
-use opentelemetry_sdk::trace::{Sampler, SdkTracerProvider};
+use opentelemetry_sdk::trace::{
+    IdGenerator, RandomIdGenerator, Sampler, SamplingResult, SdkTracerProvider, ShouldSample,
+};
 use opentelemetry_sdk::Resource;
 use std::net::SocketAddr;
 use std::sync::OnceLock;
@@ -158,9 +170,8 @@ pub fn init(service: &str, args: &TelemetryArgs) -> Result<TelemetryGuard, Telem
                         .build(),
                 );
             if let Some(ratio) = args.trace_sampling_ratio {
-                builder = builder.with_sampler(Sampler::ParentBased(Box::new(
-                    Sampler::TraceIdRatioBased(ratio),
-                )));
+                builder = builder.with_sampler(Gated::new(ratio));
+                let _ = GATE_RATIO.set(ratio);
             }
             Some(builder.build())
         }
@@ -214,6 +225,111 @@ pub fn init(service: &str, args: &TelemetryArgs) -> Result<TelemetryGuard, Telem
         let _ = METRICS.set(handle);
     }
     Ok(TelemetryGuard { provider })
+}
+
+/// The name of the server span whose trace [`sampling`] decides up front.
+pub const GATED_SPAN: &str = "Generate";
+
+/// The ratio [`sampling`] applies to new traces: set by [`init`] when
+/// `--trace-sampling-ratio` is given and traces are exported.
+static GATE_RATIO: OnceLock<f64> = OnceLock::new();
+
+/// Whether a request's spans are made, decided before the first one is.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Sampling {
+    /// Make and record them; the exporter's sampler has the last word.
+    Record,
+    /// Not sampled: make no span (use `tracing::Span::none()`), and pass this
+    /// unsampled context on so that services further down, parent-based,
+    /// make none either.
+    Skip(Unsampled),
+}
+
+/// The trace context of a request that is not sampled and has no span.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Unsampled(SpanContext);
+
+impl Unsampled {
+    /// Writes it (`traceparent` with the sampled flag clear) into outgoing
+    /// metadata.
+    pub fn inject(&self, md: &mut MetadataMap) {
+        let cx = Context::new().with_remote_span_context(self.0.clone());
+        TraceContextPropagator::new().inject_context(&cx, &mut MetadataInjector(md));
+    }
+}
+
+/// Decides a request's trace from the caller's trace context in `md`
+/// (parent-based: the caller's decision stands) or, for a new trace, at
+/// `--trace-sampling-ratio`. Without that flag (or without export) every
+/// request is [`Sampling::Record`] and the SDK's sampler decides, as the
+/// standard variables configure it.
+pub fn sampling(md: &MetadataMap) -> Sampling {
+    match GATE_RATIO.get() {
+        Some(&ratio) => decide(md, ratio, &RandomIdGenerator::default()),
+        None => Sampling::Record,
+    }
+}
+
+fn decide(md: &MetadataMap, ratio: f64, ids: &impl IdGenerator) -> Sampling {
+    let parent = TraceContextPropagator::new().extract(&MetadataExtractor(md));
+    let parent = parent.span().span_context().clone();
+    let (trace_id, state) = if parent.is_valid() {
+        if parent.is_sampled() {
+            return Sampling::Record;
+        }
+        (parent.trace_id(), parent.trace_state().clone())
+    } else {
+        // Drawn here rather than from the trace id the SDK would generate:
+        // a recorded request's root span is then taken as sampled ([`Gated`]).
+        if rand::random::<f64>() < ratio {
+            return Sampling::Record;
+        }
+        (ids.new_trace_id(), TraceState::default())
+    };
+    Sampling::Skip(Unsampled(SpanContext::new(
+        trace_id,
+        ids.new_span_id(),
+        TraceFlags::default(),
+        false,
+        state,
+    )))
+}
+
+/// The SDK's sampler under `--trace-sampling-ratio`: parent-based at the
+/// ratio, except for a root [`GATED_SPAN`], whose request [`sampling`]
+/// already drew at the ratio (drawing again would sample ratio² of them).
+#[derive(Clone, Debug)]
+struct Gated {
+    ratio: Sampler,
+    always: Sampler,
+}
+
+impl Gated {
+    fn new(ratio: f64) -> Self {
+        Self {
+            ratio: Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(ratio))),
+            always: Sampler::ParentBased(Box::new(Sampler::AlwaysOn)),
+        }
+    }
+}
+
+impl ShouldSample for Gated {
+    fn should_sample(
+        &self,
+        parent: Option<&Context>,
+        trace_id: TraceId,
+        name: &str,
+        kind: &SpanKind,
+        attributes: &[KeyValue],
+        links: &[Link],
+    ) -> SamplingResult {
+        let sampler = if name == GATED_SPAN {
+            &self.always
+        } else {
+            &self.ratio
+        };
+        sampler.should_sample(parent, trace_id, name, kind, attributes, links)
+    }
 }
 
 struct MetadataInjector<'a>(&'a mut MetadataMap);
@@ -270,6 +386,64 @@ pub fn adopt_parent(span: &tracing::Span, md: &MetadataMap) {
 mod tests {
     use super::*;
     use clap::Parser;
+
+    fn traceparent(flags: &str) -> MetadataMap {
+        let mut md = MetadataMap::new();
+        let v = format!("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-{flags}");
+        md.insert("traceparent", v.parse().unwrap());
+        md
+    }
+
+    #[test]
+    fn a_caller_s_decision_stands_and_an_unsampled_one_is_passed_on() {
+        let ids = RandomIdGenerator::default();
+        // Sampled by the caller: recorded even at ratio 0.
+        assert_eq!(decide(&traceparent("01"), 0.0, &ids), Sampling::Record);
+        // Not sampled by the caller: skipped even at ratio 1, same trace.
+        let Sampling::Skip(cx) = decide(&traceparent("00"), 1.0, &ids) else {
+            panic!("an unsampled parent must be skipped");
+        };
+        assert_eq!(
+            cx.0.trace_id().to_string(),
+            "0af7651916cd43dd8448eb211c80319c"
+        );
+        assert!(!cx.0.is_sampled() && cx.0.is_valid());
+        let mut out = MetadataMap::new();
+        cx.inject(&mut out);
+        let sent = out.get("traceparent").unwrap().to_str().unwrap();
+        assert!(
+            sent.starts_with("00-0af7651916cd43dd8448eb211c80319c-") && sent.ends_with("-00"),
+            "{sent}"
+        );
+    }
+
+    #[test]
+    fn new_traces_are_sampled_at_the_ratio() {
+        let ids = RandomIdGenerator::default();
+        let none = MetadataMap::new();
+        assert_eq!(decide(&none, 1.0, &ids), Sampling::Record);
+        assert!(matches!(decide(&none, 0.0, &ids), Sampling::Skip(_)));
+        let n = 20_000;
+        let recorded = (0..n)
+            .filter(|_| decide(&none, 0.1, &ids) == Sampling::Record)
+            .count();
+        // 2,000 expected; the bounds are over 9 standard deviations wide.
+        assert!((1_600..2_400).contains(&recorded), "{recorded} of {n}");
+    }
+
+    #[test]
+    fn only_a_root_generate_span_is_taken_as_already_drawn() {
+        let gated = Gated::new(0.0);
+        let id = TraceId::from_hex("0af7651916cd43dd8448eb211c80319c").unwrap();
+        let at = |name: &str| {
+            gated
+                .should_sample(None, id, name, &SpanKind::Internal, &[], &[])
+                .decision
+        };
+        use opentelemetry_sdk::trace::SamplingDecision;
+        assert_eq!(at(GATED_SPAN), SamplingDecision::RecordAndSample);
+        assert_eq!(at("canary_analysis"), SamplingDecision::Drop);
+    }
 
     #[derive(Parser, Debug)]
     struct Cfg {

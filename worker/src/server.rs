@@ -79,7 +79,15 @@ impl Worker for WorkerService {
         let enqueued = Instant::now();
         let deadline = tokenmesh_proto::deadline::grpc_timeout(request.metadata())
             .map(|t| tokio::time::Instant::now() + t);
-        let span = tracing::info_span!(
+        // An unsampled request makes no span at all (issue 20).
+        let sampled = matches!(
+            tokenmesh_runtime::telemetry::sampling(request.metadata()),
+            tokenmesh_runtime::telemetry::Sampling::Record
+        );
+        let span = if !sampled {
+            tracing::Span::none()
+        } else {
+            tracing::info_span!(
             "Generate",
             otel.name = "Generate",
             otel.kind = "server",
@@ -94,8 +102,11 @@ impl Worker for WorkerService {
             finish_reason = tracing::field::Empty,
             trace_id = tracing::field::Empty,
             error = tracing::field::Empty,
-        );
-        tokenmesh_runtime::telemetry::adopt_parent(&span, request.metadata());
+            )
+        };
+        if sampled {
+            tokenmesh_runtime::telemetry::adopt_parent(&span, request.metadata());
+        }
         let req = request.into_inner();
         let labels = self.labels();
         let prepared = self

@@ -8,7 +8,7 @@ use super::errors::ApiError;
 use super::request::{parse, Endpoint, Parsed};
 use super::wire::{Model, ModelList};
 use crate::errors::RouterError;
-use crate::route::{request_span, Api, Incoming, Routed, Router};
+use crate::route::{request_trace, Api, Incoming, Routed, Router};
 use axum::body::Body;
 use axum::extract::{Path, State};
 use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode, Uri};
@@ -20,7 +20,7 @@ use std::time::{Duration, Instant, SystemTime};
 use tokenmesh_proto::headers;
 use tokenmesh_proto::v1::{generate_response::Event, GenerateResponse};
 use tokenmesh_proto::validate::{check_id, check_name, check_request};
-use tokenmesh_runtime::telemetry;
+use tokenmesh_runtime::telemetry::Unsampled;
 use tonic::metadata::MetadataMap;
 use tonic::{Code, Status};
 use tracing::{Instrument, Span};
@@ -177,10 +177,10 @@ impl AppState {
         body: Body,
     ) -> Response {
         let started = Instant::now();
-        let span = request_span(Api::Openai);
-        telemetry::adopt_parent(&span, &MetadataMap::from_headers(headers.clone()));
+        let (span, unsampled) =
+            request_trace(Api::Openai, &MetadataMap::from_headers(headers.clone()));
         let prepared = self
-            .prepare(endpoint, &conn, &headers, body, started, &span)
+            .prepare(endpoint, &conn, &headers, body, started, &span, unsampled)
             .instrument(span.clone())
             .await;
         let (routed, answer, stream) = match prepared {
@@ -226,6 +226,7 @@ impl AppState {
         body: Body,
         started: Instant,
         span: &Span,
+        unsampled: Option<Unsampled>,
     ) -> Result<(Routed, Answer, bool), Refusal> {
         // The (bounded) body is read before any other refusal: an HTTP/2
         // response sent while the client still sends its body ends with a
@@ -240,8 +241,9 @@ impl AppState {
             model: model.clone(),
             error,
         };
-        let (incoming, answer, stream) =
+        let (mut incoming, answer, stream) =
             incoming(endpoint, parsed, identity, headers, started, span).map_err(with_model)?;
+        incoming.unsampled = unsampled;
         let routed = self
             .router
             .route(incoming, span)
@@ -400,6 +402,7 @@ fn incoming(
         deadline: deadline(headers)?.map(|t| tokio::time::Instant::now() + t),
         started,
         api: Api::Openai,
+        unsampled: None,
     };
     Ok((incoming, answer, parsed.stream))
 }

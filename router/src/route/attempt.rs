@@ -59,6 +59,8 @@ pub struct Attempts {
     deadline: Option<Instant>,
     /// How workers are chosen for it, and what the choice learns.
     affinity: RequestAffinity,
+    /// The trace context sent to workers for a request with no span.
+    unsampled: Option<telemetry::Unsampled>,
 }
 
 /// How one call to a worker failed.
@@ -79,6 +81,7 @@ impl Attempts {
         budget: Arc<RetryBudget>,
         deadline: Option<Instant>,
         affinity: RequestAffinity,
+        unsampled: Option<telemetry::Unsampled>,
     ) -> Self {
         Self {
             registry,
@@ -89,6 +92,7 @@ impl Attempts {
             budget,
             deadline,
             affinity,
+            unsampled,
         }
     }
 
@@ -195,22 +199,30 @@ impl Attempts {
         // The stream's own name on the worker: request ids are the
         // clients', and two streams may share one.
         let attempt_id = uuid::Uuid::new_v4().simple().to_string();
-        let span = tracing::info_span!(
-            parent: route,
-            "worker.Generate",
-            otel.name = "tokenmesh.v1.Worker/Generate",
-            otel.kind = "client",
-            otel.status_code = tracing::field::Empty,
-            worker = %ep.id,
-            attempt_id = %attempt_id,
-            emitted = emitted.len(),
-        );
+        // No span under a request that has none: it would be a root.
+        let span = if route.is_disabled() {
+            Span::none()
+        } else {
+            tracing::info_span!(
+                parent: route,
+                "worker.Generate",
+                otel.name = "tokenmesh.v1.Worker/Generate",
+                otel.kind = "client",
+                otel.status_code = tracing::field::Empty,
+                worker = %ep.id,
+                attempt_id = %attempt_id,
+                emitted = emitted.len(),
+            )
+        };
         let mut call = tonic::Request::new(WorkerGenerateRequest {
             request: Some(self.request.clone()),
             emitted_token_ids: emitted.to_vec(),
             attempt_id,
         });
-        telemetry::inject(&span, call.metadata_mut());
+        match &self.unsampled {
+            Some(unsampled) => unsampled.inject(call.metadata_mut()),
+            None => telemetry::inject(&span, call.metadata_mut()),
+        }
         if let Some(d) = self.deadline {
             // The worker gets what is left of the caller's deadline.
             let left = d.saturating_duration_since(Instant::now());

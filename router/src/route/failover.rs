@@ -105,12 +105,11 @@ pub async fn run(
     mut upstream: Upstream,
     out: Outbox<Result<Outgoing, Status>>,
 ) {
+    // The first worker's series: a failover stays in the same version.
     let meter = StreamMeter::new(
-        &ctx.accepted.model,
-        &ctx.accepted.version,
+        upstream.guard.endpoint().stream_series(ctx.api),
         ctx.started,
         ctx.span.clone(),
-        ctx.api,
     );
     let mut client = ClientStream {
         out,

@@ -3,20 +3,84 @@
 //! goes away mid-stream, which drops it). Every series carries the `api` it
 //! came through (`grpc` or `openai`).
 //!
-//! The handles of the per-token series are looked up once, when the stream
-//! starts: a lookup by name and labels hashes and allocates its labels, which
-//! per token was a measurable share of the router's CPU (issue 20).
+//! The handles of every series are looked up once per worker endpoint and
+//! front door ([`StreamSeries`]): a lookup by name and labels hashes and
+//! allocates its labels, which per token was a measurable share of the
+//! router's CPU, and per request still a few thousand instructions (issue 20).
 use super::Api;
 use metrics::{Counter, Gauge, Histogram};
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 use tokenmesh_proto::codes::{classify, code_name};
 use tracing::Span;
 
-/// Records one client stream in the metrics.
-pub struct StreamMeter {
+/// How many `tonic::Code`s there are (0 to 16): the per-code request counters.
+const CODES: usize = 17;
+
+/// The series one stream records in, for one model version and front door:
+/// looked up once, at the first stream, and kept on the worker's endpoint
+/// ([`crate::registry::Endpoint::stream_series`]) rather than by name and
+/// labels per request (issue 20): a lookup hashes and allocates its labels.
+pub struct StreamSeries {
     model: String,
     version: String,
     api: Api,
+    active: Gauge,
+    ttft: Histogram,
+    itl: Histogram,
+    tokens: Counter,
+    duration: Histogram,
+    errors: Counter,
+    /// `llm_request_total` by code, each made at its code's first stream.
+    totals: [OnceLock<Counter>; CODES],
+}
+
+impl std::fmt::Debug for StreamSeries {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamSeries")
+            .field("model", &self.model)
+            .field("version", &self.version)
+            .field("api", &self.api)
+            .finish_non_exhaustive()
+    }
+}
+
+impl StreamSeries {
+    /// The series of `model`/`version` through `api`.
+    pub fn new(model: &str, version: &str, api: Api) -> Self {
+        let labels = labels(model, version, api);
+        Self {
+            model: model.into(),
+            version: version.into(),
+            api,
+            active: metrics::gauge!("llm_active_streams", &labels),
+            ttft: metrics::histogram!("llm_time_to_first_token_seconds", &labels),
+            itl: metrics::histogram!("llm_inter_token_latency_seconds", &labels),
+            tokens: metrics::counter!("llm_tokens_generated_total", &labels),
+            duration: metrics::histogram!("llm_request_duration_seconds", &labels),
+            errors: metrics::counter!("llm_request_errors_total", &labels),
+            totals: Default::default(),
+        }
+    }
+
+    fn total(&self, code: tonic::Code) -> &Counter {
+        let made = || {
+            metrics::counter!(
+                "llm_request_total",
+                "model" => self.model.clone(),
+                "version" => self.version.clone(),
+                "code" => code_name(code),
+                "api" => self.api.as_str()
+            )
+        };
+        // `tonic::Code` is a closed enum of the values 0 to 16.
+        self.totals[code as usize].get_or_init(made)
+    }
+}
+
+/// Records one client stream in the metrics.
+pub struct StreamMeter {
+    series: Arc<StreamSeries>,
     started: Instant,
     last_token: Option<Instant>,
     /// The outcome; a stream dropped without one was cancelled by its client.
@@ -24,10 +88,6 @@ pub struct StreamMeter {
     /// The request's `Generate` span: the first token is an event on it and
     /// a failed stream marks it as an error.
     span: Span,
-    active: Gauge,
-    ttft: Histogram,
-    itl: Histogram,
-    tokens: Counter,
 }
 
 /// Counts a request refused before it had a stream (bad input, unknown
@@ -51,24 +111,15 @@ fn labels(model: &str, version: &str, api: Api) -> [(&'static str, String); 3] {
 }
 
 impl StreamMeter {
-    /// Starts metering a stream of `model`/`version` received at `started`
-    /// through `api`.
-    pub fn new(model: &str, version: &str, started: Instant, span: Span, api: Api) -> Self {
-        let labels = labels(model, version, api);
-        let active = metrics::gauge!("llm_active_streams", &labels);
-        active.increment(1.0);
+    /// Starts metering a stream received at `started`, in `series`.
+    pub fn new(series: Arc<StreamSeries>, started: Instant, span: Span) -> Self {
+        series.active.increment(1.0);
         Self {
-            model: model.into(),
-            version: version.into(),
-            api,
+            series,
             started,
             last_token: None,
             code: tonic::Code::Cancelled,
             span,
-            active,
-            ttft: metrics::histogram!("llm_time_to_first_token_seconds", &labels),
-            itl: metrics::histogram!("llm_inter_token_latency_seconds", &labels),
-            tokens: metrics::counter!("llm_tokens_generated_total", &labels),
         }
     }
 
@@ -80,32 +131,29 @@ impl StreamMeter {
         let now = Instant::now();
         match self.last_token {
             None => {
-                self.ttft.record((now - self.started).as_secs_f64());
-                tracing::info!(parent: &self.span, tokens = n, "first token");
+                self.series.ttft.record((now - self.started).as_secs_f64());
+                if !self.span.is_disabled() {
+                    tracing::info!(parent: &self.span, tokens = n, "first token");
+                }
             }
-            Some(prev) => self.itl.record((now - prev).as_secs_f64() / n as f64),
+            Some(prev) => self
+                .series
+                .itl
+                .record((now - prev).as_secs_f64() / n as f64),
         }
-        self.tokens.increment(n as u64);
+        self.series.tokens.increment(n as u64);
         self.last_token = Some(now);
     }
 }
 
 impl Drop for StreamMeter {
     fn drop(&mut self) {
-        self.active.decrement(1.0);
-        let labels = labels(&self.model, &self.version, self.api);
-        metrics::histogram!("llm_request_duration_seconds", &labels)
-            .record(self.started.elapsed().as_secs_f64());
-        metrics::counter!(
-            "llm_request_total",
-            "model" => self.model.clone(),
-            "version" => self.version.clone(),
-            "code" => code_name(self.code),
-            "api" => self.api.as_str()
-        )
-        .increment(1);
+        let s = &self.series;
+        s.active.decrement(1.0);
+        s.duration.record(self.started.elapsed().as_secs_f64());
+        s.total(self.code).increment(1);
         if classify(self.code).is_failure() {
-            metrics::counter!("llm_request_errors_total", &labels).increment(1);
+            s.errors.increment(1);
             self.span.record("otel.status_code", "ERROR");
         }
     }

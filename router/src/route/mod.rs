@@ -41,7 +41,9 @@ use std::sync::Arc;
 use std::time::Instant;
 use tokenmesh_proto::v1::{Accepted, GenerateRequest, GenerateResponse};
 use tokenmesh_proto::validate::MAX_NAME_BYTES;
+use tokenmesh_runtime::telemetry::{self, Sampling, Unsampled};
 use tokenmesh_runtime::Backoff;
+use tonic::metadata::MetadataMap;
 use tonic::Status;
 use tracing::{Instrument, Span};
 use version::{choose_version, VersionAsk, VersionChoice};
@@ -98,6 +100,9 @@ pub struct Incoming {
     pub started: Instant,
     /// The front door it came through.
     pub api: Api,
+    /// The trace context passed on to workers when the request is not
+    /// sampled and so has no span ([`request_trace`]).
+    pub unsampled: Option<Unsampled>,
 }
 
 /// The client's messages, numbered, across failovers, as they go out: the
@@ -176,9 +181,27 @@ pub fn request_span(api: Api) -> Span {
     span
 }
 
+/// The request's `Generate` span, child of the caller's trace context in
+/// `md`; or, when that trace is not sampled ([`telemetry::sampling`]), no
+/// span and the context to pass on: an unsampled request records nothing.
+pub fn request_trace(api: Api, md: &MetadataMap) -> (Span, Option<Unsampled>) {
+    match telemetry::sampling(md) {
+        Sampling::Record => {
+            let span = request_span(api);
+            telemetry::adopt_parent(&span, md);
+            (span, None)
+        }
+        Sampling::Skip(unsampled) => (Span::none(), Some(unsampled)),
+    }
+}
+
 /// A `route` span, child of the request's `Generate` span, with every field
 /// the request path records: one for the first routing, one per failover.
+/// None when the request has no span (a child of none would be a root).
 pub fn route_span(generate: &Span) -> Span {
+    if generate.is_disabled() {
+        return Span::none();
+    }
     tracing::info_span!(
         parent: generate,
         "route",
@@ -264,6 +287,7 @@ impl Router {
             budget,
             incoming.deadline,
             affinity,
+            incoming.unsampled,
         );
         let upstream = attempts.open(&[], &route).await?;
         drop(route);

@@ -32,6 +32,18 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
+/// A phase span (`queue`, `prefill`, `decode`) under the request's span; none
+/// for a request that has no span (not sampled): a child of none is a root.
+macro_rules! phase_span {
+    ($parent:expr, $($rest:tt)+) => {
+        if $parent.is_disabled() {
+            tracing::Span::none()
+        } else {
+            tracing::info_span!(parent: $parent, $($rest)+)
+        }
+    };
+}
+
 /// One sequence, waiting or running. It keeps its sampler, decoder and model
 /// state across a preemption, so recomputation continues exactly where it
 /// stopped.
@@ -204,7 +216,7 @@ impl<M: StepModel> Scheduler<M> {
             prompt: &req.context[..emitted_from],
             emitted: &req.context[emitted_from..],
         });
-        let phase = tracing::info_span!(parent: &req.span, "queue", priority = ?req.priority);
+        let phase = phase_span!(&req.span, "queue", priority = ?req.priority);
         let (priority, at) = (req.priority, req.enqueued);
         let seq = Seq {
             cache: KvCache::default(),
@@ -283,8 +295,8 @@ impl<M: StepModel> Scheduler<M> {
                     queued: now - s.req.enqueued,
                 });
             }
-            s.phase = tracing::info_span!(
-                parent: &s.req.span,
+            s.phase = phase_span!(
+                &s.req.span,
                 "prefill",
                 tokens = s.req.context.len(),
                 prompt_tokens_cached = cached
@@ -342,7 +354,7 @@ impl<M: StepModel> Scheduler<M> {
         self.pool.release(&mut s.cache);
         self.stats.preemptions.fetch_add(1, Ordering::Relaxed);
         tracing::info!(request_id = %s.req.request_id, tokens = s.req.context.len(), "preempted: KV pool full; will recompute");
-        s.phase = tracing::info_span!(parent: &s.req.span, "queue", preempted = true);
+        s.phase = phase_span!(&s.req.span, "queue", preempted = true);
         self.stats.queued.fetch_add(1, Ordering::SeqCst);
         self.waiting.push_front(s.req.priority, s.req.enqueued, s);
     }
@@ -547,8 +559,7 @@ fn next_token<M: StepModel>(
     let token = s.sampler.sample(row, recent, s.generated);
     if s.prefilling {
         s.prefilling = false;
-        s.phase =
-            tracing::info_span!(parent: &s.req.span, "decode", tokens = tracing::field::Empty);
+        s.phase = phase_span!(&s.req.span, "decode", tokens = tracing::field::Empty);
     }
     if s.first_token.is_none() {
         s.first_token = Some(s.req.enqueued.elapsed());
