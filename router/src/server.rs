@@ -9,7 +9,7 @@ use crate::registry::Registry;
 use crate::route::version::has_canary;
 use crate::route::wire::{ClientCodec, Outgoing};
 use crate::route::{
-    request_trace, Api, ClientEvents, ClientMessages, Incoming, RouteSettings, Router,
+    request_trace, Api, ClientEvents, ClientMessages, Incoming, RequestTrace, RouteSettings, Router,
 };
 use std::convert::Infallible;
 use std::future::Future;
@@ -136,7 +136,7 @@ impl InferenceService {
         &self,
         request: Request<GenerateRequest>,
     ) -> Result<Response<ClientEvents>, Status> {
-        let (span, unsampled) = request_trace(Api::Grpc, request.metadata());
+        let RequestTrace { span, unsampled } = request_trace(Api::Grpc, request.metadata());
         // Kept for the refusal's metric label, if it can be one at all.
         let asked = Some(&request.get_ref().model)
             .filter(|m| m.len() <= MAX_NAME_BYTES)

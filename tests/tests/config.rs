@@ -210,7 +210,7 @@ async fn a_worker_that_never_becomes_ready_is_logged_once_with_the_reason() {
         let failed: f64 = text
             .lines()
             .filter(|l| l.starts_with("llm_router_status_polls_total{") && l.contains("\"failed\""))
-            .filter_map(|l| l.rsplit(' ').next()?.parse().ok())
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
             .sum();
         if failed >= 4.0 {
             break;

@@ -93,7 +93,7 @@ async fn a_dead_idle_worker_is_skipped_after_the_first_call_that_finds_it_and_ba
         .wait_ready_workers(MODEL, 1, Duration::from_secs(1))
         .await
         .expect("the dead worker is not ready");
-    assert_eq!(ready, [a.id.clone()]);
+    assert_eq!(ready, std::slice::from_ref(&a.id));
     // No later request tries it: no retry more.
     for i in 0..40 {
         assert_eq!(served_by(&mut client, i).await, a.id);

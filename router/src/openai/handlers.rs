@@ -8,7 +8,7 @@ use super::errors::ApiError;
 use super::request::{parse, Endpoint, Parsed};
 use super::wire::{Model, ModelList};
 use crate::errors::RouterError;
-use crate::route::{request_trace, Api, Incoming, Routed, Router};
+use crate::route::{request_trace, Api, Incoming, RequestTrace, Routed, Router};
 use axum::body::Body;
 use axum::extract::{Path, State};
 use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode, Uri};
@@ -20,7 +20,6 @@ use std::time::{Duration, Instant, SystemTime};
 use tokenmesh_proto::headers;
 use tokenmesh_proto::v1::{generate_response::Event, GenerateResponse};
 use tokenmesh_proto::validate::{check_id, check_name, check_request};
-use tokenmesh_runtime::telemetry::Unsampled;
 use tonic::metadata::MetadataMap;
 use tonic::{Code, Status};
 use tracing::{Instrument, Span};
@@ -177,10 +176,10 @@ impl AppState {
         body: Body,
     ) -> Response {
         let started = Instant::now();
-        let (span, unsampled) =
-            request_trace(Api::Openai, &MetadataMap::from_headers(headers.clone()));
+        let trace = request_trace(Api::Openai, &MetadataMap::from_headers(headers.clone()));
+        let span = trace.span.clone();
         let prepared = self
-            .prepare(endpoint, &conn, &headers, body, started, &span, unsampled)
+            .prepare(endpoint, &conn, &headers, body, started, trace)
             .instrument(span.clone())
             .await;
         let (routed, answer, stream) = match prepared {
@@ -225,9 +224,10 @@ impl AppState {
         headers: &HeaderMap,
         body: Body,
         started: Instant,
-        span: &Span,
-        unsampled: Option<Unsampled>,
+        trace: RequestTrace,
     ) -> Result<(Routed, Answer, bool), Refusal> {
+        let RequestTrace { span, unsampled } = trace;
+        let span = &span;
         // The (bounded) body is read before any other refusal: an HTTP/2
         // response sent while the client still sends its body ends with a
         // stream reset that some clients (curl) report instead of the status.

@@ -63,6 +63,14 @@ pub struct Attempts {
     unsampled: Option<telemetry::Unsampled>,
 }
 
+/// What every call to a worker carries from the request.
+pub struct CallContext {
+    /// The caller's deadline, if any.
+    pub deadline: Option<Instant>,
+    /// The trace context sent to workers for a request with no span.
+    pub unsampled: Option<telemetry::Unsampled>,
+}
+
 /// How one call to a worker failed.
 enum CallError {
     /// Another worker may succeed.
@@ -79,10 +87,13 @@ impl Attempts {
         version: String,
         limits: AttemptLimits,
         budget: Arc<RetryBudget>,
-        deadline: Option<Instant>,
         affinity: RequestAffinity,
-        unsampled: Option<telemetry::Unsampled>,
+        call: CallContext,
     ) -> Self {
+        let CallContext {
+            deadline,
+            unsampled,
+        } = call;
         Self {
             registry,
             request,

@@ -34,7 +34,7 @@ use crate::admission::Admission;
 use crate::errors::RouterError;
 use crate::registry::{ModelEntry, Registry};
 use affinity::{Affinity, AffinitySettings};
-use attempt::{AttemptLimits, Attempts};
+use attempt::{AttemptLimits, Attempts, CallContext};
 use failover::FailoverContext;
 use retry_budget::{RetryBudgetConfig, RetryBudgets};
 use std::sync::Arc;
@@ -181,17 +181,32 @@ pub fn request_span(api: Api) -> Span {
     span
 }
 
+/// A request's trace: its `Generate` span, or, when its trace is not
+/// sampled, no span and the context to pass on.
+pub struct RequestTrace {
+    /// The `Generate` span (none when not sampled).
+    pub span: Span,
+    /// The context sent on to workers when there is no span.
+    pub unsampled: Option<Unsampled>,
+}
+
 /// The request's `Generate` span, child of the caller's trace context in
 /// `md`; or, when that trace is not sampled ([`telemetry::sampling`]), no
 /// span and the context to pass on: an unsampled request records nothing.
-pub fn request_trace(api: Api, md: &MetadataMap) -> (Span, Option<Unsampled>) {
+pub fn request_trace(api: Api, md: &MetadataMap) -> RequestTrace {
     match telemetry::sampling(md) {
         Sampling::Record => {
             let span = request_span(api);
             telemetry::adopt_parent(&span, md);
-            (span, None)
+            RequestTrace {
+                span,
+                unsampled: None,
+            }
         }
-        Sampling::Skip(unsampled) => (Span::none(), Some(unsampled)),
+        Sampling::Skip(unsampled) => RequestTrace {
+            span: Span::none(),
+            unsampled: Some(unsampled),
+        },
     }
 }
 
@@ -285,9 +300,11 @@ impl Router {
             choice.version.clone(),
             limits,
             budget,
-            incoming.deadline,
             affinity,
-            incoming.unsampled,
+            CallContext {
+                deadline: incoming.deadline,
+                unsampled: incoming.unsampled,
+            },
         );
         let upstream = attempts.open(&[], &route).await?;
         drop(route);
