@@ -660,24 +660,6 @@ unsafe fn tile_float<W: FloatWeights, const R: usize>(
     }
 }
 
-/// One activation row against four weight rows: four independent chains of
-/// FMAs where one row alone would wait on each FMA before the next (decode
-/// of a single sequence). Each row's sum is taken in the same order as in
-/// [`tile_float`], so a row's result does not depend on the batch.
-#[inline(always)]
-unsafe fn tile_float_rows4<W: FloatWeights>(w: &[W], a: &[f32], cols: usize, out: *mut f32) {
-    let mut acc = [_mm256_setzero_ps(); 4];
-    for j in (0..cols).step_by(8) {
-        let x = _mm256_loadu_ps(a.as_ptr().add(j));
-        for (r, acc) in acc.iter_mut().enumerate() {
-            *acc = _mm256_fmadd_ps(W::load8(w.as_ptr().add(r * cols + j)), x, *acc);
-        }
-    }
-    for (r, acc) in acc.iter().enumerate() {
-        *out.add(r) = hsum(*acc);
-    }
-}
-
 /// Weight rows `rows` of a float matrix (`cols` values per row, a multiple
 /// of 8) against all `n` float activation rows of `a`: `out[i * ld + r]`.
 ///
@@ -694,14 +676,6 @@ pub unsafe fn rows_float<W: FloatWeights>(
     out: *mut f32,
     ld: usize,
 ) {
-    let mut rows = rows;
-    if n == 1 {
-        while rows.len() >= 4 {
-            let r = rows.start;
-            tile_float_rows4(&w[r * cols..(r + 4) * cols], a, cols, out.add(r));
-            rows.start += 4;
-        }
-    }
     row_tiles!(n, rows, |count, i, r| {
         let (wr, ar, o) = (
             &w[r * cols..(r + 1) * cols],
