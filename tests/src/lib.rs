@@ -24,7 +24,7 @@ pub use mesh::{
     etcd_router, real_worker, static_file, static_router, wait_idle, RouterProc, WorkerOpts,
     WorkerProc,
 };
-pub use metrics::{http_get, scrape, scrape_text, series_names};
+pub use metrics::{http_get, scrape, scrape_text, series_names, sum_of};
 pub use model::{model_path, MODEL};
 pub use openai::{
     curl, http_router, http_router_with, openai_client, openai_command, openai_spawn, post_json,

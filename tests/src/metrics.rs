@@ -41,6 +41,16 @@ pub async fn scrape(addr: &str) -> prometheus_parse::Scrape {
     prometheus_parse::Scrape::parse(lines).expect("Prometheus text format")
 }
 
+/// The sum of the samples of `name` (its bare name, or with labels) whose
+/// line also contains `containing` (a label value, quoted or not), in a
+/// scrape's text.
+pub fn sum_of(text: &str, name: &str, containing: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(name) && l.contains(containing))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
 /// Every series name in a scrape's text, exactly as PromQL selects it: a
 /// histogram appears as its `_bucket`, `_sum` and `_count` series, never under
 /// its bare name.

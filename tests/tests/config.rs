@@ -207,11 +207,7 @@ async fn a_worker_that_never_becomes_ready_is_logged_once_with_the_reason() {
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     loop {
         let text = scrape_text(&metrics).await.unwrap();
-        let failed: f64 = text
-            .lines()
-            .filter(|l| l.starts_with("llm_router_status_polls_total{") && l.contains("\"failed\""))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum();
+        let failed = sum_of(&text, "llm_router_status_polls_total{", "\"failed\"");
         if failed >= 4.0 {
             break;
         }

@@ -124,10 +124,6 @@ async fn a_worker_whose_streams_report_its_load_is_not_polled_meanwhile() {
     );
     // The router counts the polls it put off.
     let text = scrape_text(&router_metrics).await.unwrap();
-    let deferred: f64 = text
-        .lines()
-        .filter(|l| l.starts_with("llm_router_status_polls_total") && l.contains("deferred"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum();
+    let deferred = sum_of(&text, "llm_router_status_polls_total", "deferred");
     assert!(deferred >= 1.0, "{text}");
 }
