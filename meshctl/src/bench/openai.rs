@@ -112,16 +112,6 @@ fn error_chain(e: &dyn std::error::Error) -> String {
     text
 }
 
-/// Whether the connection closed before any byte of an answer arrived
-/// (hyper: "connection closed before message completed"); a refused
-/// connection is not.
-fn closed_before_answer(e: &hyper_util::client::legacy::Error) -> bool {
-    !e.is_connect()
-        && std::error::Error::source(e)
-            .and_then(|s| s.downcast_ref::<hyper::Error>())
-            .is_some_and(hyper::Error::is_incomplete_message)
-}
-
 /// The status-code name an HTTP status stands for, as the reports list errors.
 fn code_of(status: u16) -> String {
     match status {
@@ -187,7 +177,9 @@ impl OpenAi {
         // (llama-server's HTTP server ends idle and spent connections) never
         // reached it: sent once more, as OpenAI's own clients do.
         let response = match self.client.request(request()?).await {
-            Err(e) if closed_before_answer(&e) => self.client.request(request()?).await,
+            Err(e) if tokenmesh_worker::upstream::closed_before_answer(&e) => {
+                self.client.request(request()?).await
+            }
             other => other,
         }
         .map_err(|e| Failure::new("UNAVAILABLE", error_chain(&e)))?;

@@ -207,8 +207,9 @@ fn clone_request(req: &Request<Full<Bytes>>) -> Request<Full<Bytes>> {
 
 /// Whether the connection closed before any byte of an answer arrived
 /// (hyper: "connection closed before message completed"), not a refused
-/// connection, which sending again would not mend.
-fn closed_before_answer(e: &hyper_util::client::legacy::Error) -> bool {
+/// connection, which sending again would not mend. Shared with meshctl's
+/// OpenAI client, which resends in the same case.
+pub fn closed_before_answer(e: &hyper_util::client::legacy::Error) -> bool {
     !e.is_connect()
         && std::error::Error::source(e)
             .and_then(|s| s.downcast_ref::<hyper::Error>())

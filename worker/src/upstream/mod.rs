@@ -20,6 +20,7 @@ mod dialect;
 mod error;
 mod forward;
 mod http;
+pub use http::closed_before_answer;
 mod info;
 pub mod load;
 mod sse;
