@@ -31,7 +31,9 @@
 # (11) upstream (issue 21): llama-server (scripts/llama-cpp.sh) called
 #     directly against the same llama-server behind the router and an
 #     upstream worker, interleaved, same prompts, prompt cache off, at 1 and
-#     16 streams, with the worker's own part of each first token's time.
+#     16 streams, with the worker's own part of each first token's time;
+#     llama-server pinned to CPU ENGINE_CPU (default 0), the worker, the
+#     router and the load generator to CPU PROXY_CPU (default 1), both paths.
 # (12) prefix (issue 17): the multi-turn chat workload (meshctl bench chat)
 #     against 4 real-model workers behind one router: cache-aware routing
 #     with prefix caching on, P2C with caching on, and P2C with caching off
@@ -425,7 +427,11 @@ echo "== upstream engine: llama-server directly vs through the router and an ups
 # llama-server from scripts/llama-cpp.sh (TOKENMESH_LLAMA_CPP), $THREADS
 # thread(s), 16 slots; the direct path is its OpenAI-compatible
 # /v1/completions (HTTP/1.1), the mesh path gRPC to the router, which the
-# upstream worker forwards to llama-server's /completion as token ids.
+# upstream worker forwards to llama-server's /completion (the prompt as
+# text, llama-server tokenizes it). Pinned: llama-server alone on
+# ENGINE_CPU, everything else (meshctl on both paths, the worker, the
+# router) on PROXY_CPU, so the mesh's processes take no time from the
+# engine's thread and the direct path's client shares its core alike.
 # Like for like: both paths send the same prompts (the same --seed per
 # repetition), in alternating order, with llama-server's prompt cache off
 # for both (cache_prompt false: meshctl's --extra-body on the direct path,
@@ -433,20 +439,25 @@ echo "== upstream engine: llama-server directly vs through the router and an ups
 # also stops its host-memory prompt cache, which would otherwise save and
 # load a slot's KV at each slot choice). Short prompts keep the prefill,
 # whose time varies from prompt to prompt, small. The worker logs the parts
-# of each first token's time (its own, /tokenize, /completion), which
+# of each first token's time (its own, prepare, /completion), which
 # scripts/upstream_parts.py summarizes apart from llama-server's noise.
 LLAMA_SERVER=${TOKENMESH_LLAMA_CPP:-target/llama.cpp}/bin/llama-server
 [ -x "$LLAMA_SERVER" ] || { echo "no $LLAMA_SERVER: run scripts/llama-cpp.sh" >&2; exit 1; }
-{ nproc; uptime; "$LLAMA_SERVER" --version 2>&1 | head -1; } | tee "$OUT/upstream-machine.txt"
+command -v taskset >/dev/null || { echo "taskset is not installed (util-linux)" >&2; exit 1; }
+ENGINE_CPU=${ENGINE_CPU:-0}; PROXY_CPU=${PROXY_CPU:-1}
+{ nproc; uptime; "$LLAMA_SERVER" --version 2>&1 | head -1
+  echo "llama-server on CPU $ENGINE_CPU; worker, router and meshctl on CPU $PROXY_CPU"; } | tee "$OUT/upstream-machine.txt"
 lp=$(free_port)
-"$LLAMA_SERVER" -m "$MODEL" --host 127.0.0.1 --port "$lp" -t "$THREADS" -np 16 -c 16384 --cache-ram 0 --metrics --no-webui \
+taskset -c "$ENGINE_CPU" "$LLAMA_SERVER" -m "$MODEL" --host 127.0.0.1 --port "$lp" -t "$THREADS" -np 16 -c 16384 --cache-ram 0 --metrics --no-webui \
   >"$OUT/upstream-llama-server.log" 2>&1 & pids+=($!)
 for _ in $(seq 300); do curl -fs "http://127.0.0.1:$lp/health" >/dev/null && break; sleep 0.2; done
 cached() { curl -fs "http://127.0.0.1:$lp/metrics" | awk '/^llamacpp:prompt_tokens_cached_total/ { print $2 + 0 }'; }
 : >"$OUT/upstream-compare.md"
+WORKER_PIN=(taskset -c "$PROXY_CPU"); ROUTER_PIN=(taskset -c "$PROXY_CPU")
 WORKER_LOG="warn,tokenmesh_worker::upstream::forward=debug" WORKER_LOG_FORMAT=json \
   mesh upstream smollm2-135m-instruct --engine upstream --upstream-url "http://127.0.0.1:$lp" --max-batch 16 \
   --upstream-prompt-cache false
+WORKER_PIN=(); ROUTER_PIN=()
 : >"$OUT/upstream.jsonl"; : >"$OUT/upstream-parts.jsonl"
 for c in 1 16; do
   : >"$OUT/upstream-c$c.jsonl"
@@ -456,7 +467,7 @@ for c in 1 16; do
       if [ $to = direct ]; then args=(--api openai --target "127.0.0.1:$lp" --extra-body '{"cache_prompt": false}');
       else args=(--target "$ROUTER"); fi
       before=$(cached); lines=$(wc -l <"$OUT/upstream-worker.log")
-      $BIN/meshctl bench "${args[@]}" --concurrency $c --max-tokens 32 --prompt-words "${UPSTREAM_PROMPT_WORDS:-8}" \
+      taskset -c "$PROXY_CPU" $BIN/meshctl bench "${args[@]}" --concurrency $c --max-tokens 32 --prompt-words "${UPSTREAM_PROMPT_WORDS:-8}" \
         --temperature 0 --duration "${UPSTREAM_DURATION:-20}" --warmup 2 --seed "$rep" --output json --no-progress \
         | tag "$to" "$rep" | tee -a "$OUT/upstream.jsonl" >>"$OUT/upstream-c$c.jsonl"
       echo "c=$c rep $rep $to: prompt tokens llama-server took from its cache: $(( $(cached) - before ))" \

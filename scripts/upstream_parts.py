@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The parts of an upstream worker's time to first token, per request, from
 its JSON log at debug level for `tokenmesh_worker::upstream::forward` (one
-"upstream first token" line per request: tokenize_us, completion_us and
+"upstream first token" line per request: prepare_us, completion_us and
 worker_us, the worker's own part; see worker/src/upstream/forward.rs).
 
   upstream_parts.py run LABEL... < LOG_SEGMENT   one JSON line: each part's
@@ -14,7 +14,7 @@ import json
 import statistics
 import sys
 
-PARTS = ("worker_us", "tokenize_us", "completion_us")
+PARTS = ("worker_us", "prepare_us", "completion_us")
 
 
 def pct(values, q):
@@ -58,12 +58,12 @@ def summary(path):
                 if r["requests"]:
                     by.setdefault(r["streams"], []).append(r)
     print("| streams | runs | worker's own µs p50 | worker's own µs p99 "
-          "| engine /tokenize µs p50 | engine /completion to first token µs p50 |")
+          "| engine prepare (template/tokenize) µs p50 | engine /completion to first token µs p50 |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: |")
     for streams, rs in sorted(by.items(), key=lambda kv: int(kv[0])):
         print(f"| {streams} | {len(rs)} | {fmt([r['worker_us']['p50'] for r in rs])} "
               f"| {fmt([r['worker_us']['p99'] for r in rs])} "
-              f"| {fmt([r['tokenize_us']['p50'] for r in rs])} "
+              f"| {fmt([r['prepare_us']['p50'] for r in rs])} "
               f"| {fmt([r['completion_us']['p50'] for r in rs])} |")
 
 

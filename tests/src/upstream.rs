@@ -105,18 +105,23 @@ impl LlamaServer {
 }
 
 /// An engine that speaks llama-server's API just well enough to be set up,
-/// then answers each completion by the first character of its prompt (the
-/// scripted `/tokenize` gives one id per character, its code point):
+/// then answers each completion by the first character of its prompt (text,
+/// or text followed by ids; it counts one prompt token per character and id,
+/// as its `/tokenize` gives one id per character, its code point):
 /// `a` → HTTP 500, `b` → a line that is not JSON, `c` → two tokens and then
 /// the end of the stream without a finish, `d` → HTTP 400, `e` → HTTP 503,
 /// `p` → one token whose text is the request's `cache_prompt` field
-/// (` cache_prompt=true`), anything else → two tokens and a proper finish.
+/// (` cache_prompt=true`), `m` → one token whose text is the prompt as sent
+/// (JSON), `r` → the first such request read and its connection closed
+/// unanswered (as a server closing a kept-alive connection), later ones
+/// answered; anything else → two tokens and a proper finish.
 pub const SCRIPTED_ENGINE: &str = r#"
 import json, sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 class Engine(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    dropped = False
     def log_message(self, *a):
         sys.stderr.write("scripted: " + (a[0] % a[1:]) + "\n")
     def answer(self, status, body, ctype="application/json"):
@@ -143,7 +148,15 @@ class Engine(BaseHTTPRequestHandler):
         if self.path != "/completion":
             self.answer(404, {"error": {"code": 404, "message": "no " + self.path}})
             return
-        mode = chr(body["prompt"][0])
+        prompt = body["prompt"]
+        parts = [prompt] if isinstance(prompt, str) else prompt
+        first = parts[0]
+        mode = first[0] if isinstance(first, str) else chr(first)
+        counted = sum(len(p) if isinstance(p, str) else 1 for p in parts)
+        if mode == "r" and not Engine.dropped:
+            Engine.dropped = True
+            self.close_connection = True
+            return
         if mode == "a":
             self.answer(500, {"error": {"code": 500, "message": "scripted internal failure", "type": "server_error"}})
         elif mode == "d":
@@ -156,10 +169,15 @@ class Engine(BaseHTTPRequestHandler):
             self.send_header("Connection", "close")
             self.end_headers()
             def event(obj):
+                if isinstance(obj, dict):
+                    obj["tokens_evaluated"] = counted
                 self.wfile.write(b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n")
                 self.wfile.flush()
             if mode == "b":
                 event(b"{this is not json")
+            elif mode == "m":
+                event({"content": json.dumps(prompt), "tokens": [120], "stop": False, "tokens_predicted": 1})
+                event({"content": "", "tokens": [], "stop": True, "stop_type": "limit", "tokens_predicted": 1})
             elif mode == "p":
                 said = " cache_prompt=" + json.dumps(body.get("cache_prompt"))
                 event({"content": said, "tokens": [120], "stop": False, "tokens_predicted": 1})

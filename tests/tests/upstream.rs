@@ -336,6 +336,57 @@ async fn bad_upstream_answers_become_clear_statuses_and_are_counted() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn the_prompt_goes_as_text_and_a_continuation_as_text_then_ids() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_engine, url) = scripted_engine(dir.path()).await.unwrap();
+    let worker = upstream_worker("up", "v1", &url, &[], dir.path()).await;
+    let (_, text) = collect_worker(&worker, prompt_request("mn", 4)).await;
+    assert_eq!(text, r#""mn""#, "one completion, the prompt as text");
+    let mut wc = worker.client().await;
+    let call = WorkerGenerateRequest {
+        request: Some(prompt_request("mn", 4)),
+        emitted_token_ids: vec![5, 6],
+        ..Default::default()
+    };
+    let mut stream = wc.generate(call).await.unwrap().into_inner();
+    let (mut text, mut usage) = (String::new(), None);
+    while let Some(msg) = stream.message().await.unwrap() {
+        match msg.event {
+            Some(Event::Delta(d)) => text.push_str(&d.text),
+            Some(Event::Finished(f)) => usage = f.usage,
+            _ => {}
+        }
+    }
+    assert_eq!(text, r#"["mn", 5, 6]"#);
+    // The engine counted 4 (2 characters, 2 ids); the ids are completion.
+    let usage = usage.expect("finished");
+    assert_eq!((usage.prompt_tokens, usage.completion_tokens), (2, 3));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_request_the_engine_closed_unanswered_is_sent_once_more() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_engine, url) = scripted_engine(dir.path()).await.unwrap();
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let worker = upstream_worker(
+        "up",
+        "v1",
+        &url,
+        &["--metrics-listen", &metrics],
+        dir.path(),
+    )
+    .await;
+    let (ids, text) = collect_worker(&worker, prompt_request("r", 4)).await;
+    assert_eq!((ids.as_slice(), text.as_str()), (&[120, 121][..], " x y"));
+    let text = scrape_text(&metrics).await.unwrap();
+    assert_eq!(
+        sum_of(&text, "tokenmesh_worker_upstream_resent_total", ""),
+        1.0,
+        "{text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn the_prompt_cache_flag_is_what_the_engine_is_asked_for() {
     let dir = tempfile::tempdir().unwrap();
     let (_engine, url) = scripted_engine(dir.path()).await.unwrap();

@@ -89,7 +89,7 @@ async fn ttft(engine: &EngineHandle, context: Vec<u32>) -> Duration {
             Event::Finished { first_token, .. } => return first.or(first_token).unwrap(),
             Event::Failed(m) | Event::Rejected(m) => panic!("{m}"),
             Event::Status(s) => panic!("{s}"),
-            Event::Started { .. } => {}
+            Event::Started { .. } | Event::PromptCounted { .. } => {}
         }
     }
     panic!("stream ended without Finished")

@@ -8,7 +8,7 @@
 use crate::errors::WorkerError;
 use crate::request::{self, Prepared, PromptModel, Serving};
 use crate::scheduler::{EngineHandle, EngineStats, SequenceRequest, StreamKey};
-use crate::upstream::UpstreamEngine;
+use crate::upstream::{Prompt, UpstreamEngine};
 use std::sync::Arc;
 use tokenmesh_proto::v1::WorkerGenerateRequest;
 
@@ -26,8 +26,9 @@ pub enum ServingEngine {
 }
 
 impl ServingEngine {
-    /// Validates and tokenizes `req` (through the engine's own tokenizer for
-    /// an upstream engine).
+    /// Validates and tokenizes `req`; an upstream engine renders a chat
+    /// through its own template and, where it can take the prompt as text
+    /// (llama-server), tokenizes it itself as part of the completion.
     pub async fn prepare(
         &self,
         serving: &Serving,
@@ -38,10 +39,15 @@ impl ServingEngine {
             Self::Upstream(up) => {
                 let g = request::checked(serving, req)?;
                 let asked = std::time::Instant::now();
-                let prompt = up.encode_prompt(g).await?;
-                let engine_wait = asked.elapsed();
-                let mut prepared = request::prepare_tokens(up.limits(), serving, req, g, prompt)?;
-                prepared.engine_wait = engine_wait;
+                let mut prepared = match up.encode_prompt(g).await? {
+                    Prompt::Text(text) => {
+                        request::prepare_text(up.limits(), serving, req, g, text)?
+                    }
+                    Prompt::Tokens(ids) => {
+                        request::prepare_tokens(up.limits(), serving, req, g, ids)?
+                    }
+                };
+                prepared.engine_wait = asked.elapsed();
                 Ok(prepared)
             }
         }
@@ -52,16 +58,18 @@ impl ServingEngine {
     /// `deadline`), so that the engine's refusals are this call's statuses.
     /// `engine_wait` is the time [`Self::prepare`] spent waiting on an
     /// upstream engine, which its first token's timing leaves out of the
-    /// worker's own time.
+    /// worker's own time; `prompt_text`, the prompt an upstream engine
+    /// tokenizes itself ([`request::Prepared::prompt_text`]).
     pub async fn submit(
         &self,
         req: SequenceRequest,
         deadline: Option<tokio::time::Instant>,
         engine_wait: std::time::Duration,
+        prompt_text: Option<String>,
     ) -> Result<(), WorkerError> {
         match self {
             Self::Scheduler { engine, .. } => Ok(engine.submit(req)?),
-            Self::Upstream(up) => up.submit(req, deadline, engine_wait).await,
+            Self::Upstream(up) => up.submit(req, deadline, engine_wait, prompt_text).await,
         }
     }
 

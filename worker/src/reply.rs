@@ -143,6 +143,11 @@ impl Relay {
                     self.queued = queued;
                     true
                 }
+                Some(Event::PromptCounted { tokens }) => {
+                    self.to.prompt_tokens = tokens;
+                    self.to.span.record("prompt_tokens", tokens);
+                    true
+                }
                 Some(Event::Token { id, text, logprob }) => self.token(id, text, logprob).await,
                 Some(Event::Finished {
                     reason,

@@ -84,6 +84,10 @@ pub struct Prepared {
     /// Time spent waiting on an upstream engine to prepare the request (its
     /// template and tokenizer); zero on the worker's own engine.
     pub engine_wait: std::time::Duration,
+    /// The rendered prompt as text, for an engine that tokenizes it itself
+    /// (llama-server): `context` then holds only the emitted tokens, and
+    /// `prompt_tokens` is 0 until the engine counts them.
+    pub prompt_text: Option<String>,
 }
 
 /// The sizes request preparation checks a request against.
@@ -144,8 +148,7 @@ pub fn prepare_tokens(
 ) -> Result<Prepared, WorkerError> {
     let context_len = limits.context_length;
     let kv_capacity = serving.kv_capacity;
-    let mut context = prompt;
-    let prompt_tokens = context.len();
+    let prompt_tokens = prompt.len();
     if prompt_tokens >= context_len {
         return Err(WorkerError::PromptTooLong {
             prompt: prompt_tokens,
@@ -160,6 +163,37 @@ pub fn prepare_tokens(
             capacity: kv_capacity,
         });
     }
+    prepare_context(limits, serving, req, g, prompt, None)
+}
+
+/// [`prepare_tokens`] for a prompt the engine tokenizes itself: the checks
+/// that need the prompt's length are the engine's (llama-server refuses a
+/// prompt over its context with HTTP 400, and stops a sequence that fills
+/// it as `limit`), so no round trip to its tokenizer precedes the request.
+pub fn prepare_text(
+    limits: Limits,
+    serving: &Serving,
+    req: &WorkerGenerateRequest,
+    g: &GenerateRequest,
+    text: String,
+) -> Result<Prepared, WorkerError> {
+    prepare_context(limits, serving, req, g, Vec::new(), Some(text))
+}
+
+/// Appends the emitted tokens of a continuation to `prompt` and checks
+/// what is left to check.
+fn prepare_context(
+    limits: Limits,
+    serving: &Serving,
+    req: &WorkerGenerateRequest,
+    g: &GenerateRequest,
+    prompt: Vec<u32>,
+    prompt_text: Option<String>,
+) -> Result<Prepared, WorkerError> {
+    let context_len = limits.context_length;
+    let kv_capacity = serving.kv_capacity;
+    let mut context = prompt;
+    let prompt_tokens = context.len();
     let vocab = limits.vocab_size as u32;
     if let Some(bad) = req.emitted_token_ids.iter().find(|&&t| t >= vocab) {
         return Err(WorkerError::BadContinuation(format!(
@@ -207,6 +241,7 @@ pub fn prepare_tokens(
         logprobs: g.logprobs,
         priority: crate::scheduler::Priority::from_wire(g.priority),
         engine_wait: std::time::Duration::ZERO,
+        prompt_text,
     })
 }
 

@@ -72,7 +72,7 @@ async fn tokens(mut rx: mpsc::UnboundedReceiver<Event>) -> Vec<u32> {
             Event::Finished { .. } => return out,
             Event::Failed(m) | Event::Rejected(m) => panic!("{m}"),
             Event::Status(s) => panic!("{s}"),
-            Event::Started { .. } => {}
+            Event::Started { .. } | Event::PromptCounted { .. } => {}
         }
     }
     panic!("stream ended without Finished")

@@ -100,7 +100,7 @@ async fn collect(mut rx: mpsc::UnboundedReceiver<Event>) -> Run {
             }
             Event::Failed(m) | Event::Rejected(m) => panic!("{m}"),
             Event::Status(s) => panic!("{s}"),
-            Event::Started { .. } => {}
+            Event::Started { .. } | Event::PromptCounted { .. } => {}
         }
     }
     panic!("stream ended without Finished")

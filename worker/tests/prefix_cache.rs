@@ -103,7 +103,7 @@ async fn collect(mut rx: mpsc::UnboundedReceiver<Event>) -> (Vec<u32>, Finish) {
             Event::Finished { reason, .. } => return (out, reason),
             Event::Failed(m) | Event::Rejected(m) => panic!("{m}"),
             Event::Status(s) => panic!("{s}"),
-            Event::Started { .. } => {}
+            Event::Started { .. } | Event::PromptCounted { .. } => {}
         }
     }
     panic!("stream ended without Finished")

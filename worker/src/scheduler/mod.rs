@@ -42,6 +42,9 @@ pub struct StreamKey {
 pub enum Event {
     /// The sequence left the queue and entered the batch.
     Started { queued: Duration },
+    /// The engine counted the prompt's tokens: an upstream engine that
+    /// tokenized a text prompt itself, before its first token.
+    PromptCounted { tokens: u32 },
     /// One generated token and the text it released (may be empty).
     Token {
         id: u32,

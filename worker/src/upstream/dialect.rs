@@ -1,6 +1,6 @@
 //! What each engine's API looks like: the streaming completion request for
-//! a prompt given as token ids, and one SSE event of its answer turned into
-//! a [`Chunk`]. Pure functions, tested against the engines' documented (and
+//! a prompt given as text or token ids, and one SSE event of its answer
+//! turned into a [`Chunk`]. Pure functions, tested against the engines' documented (and
 //! here observed) shapes.
 //!
 //! - llama-server: `POST /completion` (its own API, which can return each
@@ -17,7 +17,10 @@ use serde_json::{json, Value};
 /// What one streamed completion asks of the engine.
 #[derive(Clone, Debug)]
 pub struct CompletionAsk<'a> {
-    /// Prompt and already emitted tokens.
+    /// The prompt as text, for an engine that tokenizes it (llama-server);
+    /// `context` then holds only the tokens already emitted.
+    pub prompt_text: Option<&'a str>,
+    /// Prompt (unless `prompt_text`) and already emitted tokens.
     pub context: &'a [u32],
     /// Tokens the engine may still generate.
     pub max_new_tokens: usize,
@@ -37,15 +40,31 @@ pub fn completion_request(
     let s = ask.sampling;
     match kind {
         UpstreamKind::LlamaServer => {
+            // Text, then a continuation's ids: llama-server tokenizes a
+            // leading string with BOS and special tokens parsed, as its
+            // /tokenize with add_special and parse_special.
+            let prompt = match ask.prompt_text {
+                Some(text) if ask.context.is_empty() => json!(text),
+                Some(text) => {
+                    let mut mixed = Vec::with_capacity(ask.context.len() + 1);
+                    mixed.push(json!(text));
+                    mixed.extend(ask.context.iter().map(|&t| json!(t)));
+                    Value::Array(mixed)
+                }
+                None => json!(ask.context),
+            };
             let mut body = json!({
-                "prompt": ask.context,
+                "prompt": prompt,
                 "n_predict": ask.max_new_tokens,
                 "stream": true,
                 "return_tokens": true,
                 "cache_prompt": ask.cache_prompt,
                 "temperature": s.temperature,
                 "top_p": s.top_p,
-                "top_k": s.top_k,
+                // Greedy is the top candidate whatever else is asked; with
+                // top-k 1 llama-server's later samplers (temperature, the
+                // final draw) see one candidate, not the whole vocabulary.
+                "top_k": if s.temperature <= 0.0 { 1 } else { s.top_k },
                 // The worker's own sampler has no min-p; llama-server's
                 // default (0.05) would cut candidates ours keeps.
                 "min_p": 0.0,
@@ -110,6 +129,9 @@ pub struct Chunk {
     /// Tokens generated in all so far, where the engine says (llama-server),
     /// to notice tokens it left out of the stream.
     pub generated: Option<usize>,
+    /// Tokens of the prompt (and continuation) the engine evaluated, where
+    /// it says (llama-server's `tokens_evaluated`).
+    pub evaluated: Option<usize>,
     /// Set on the chunk that ends the sequence.
     pub end: Option<End>,
     /// vLLM's `[DONE]`: nothing follows.
@@ -130,6 +152,8 @@ struct LlamaChunk {
     stopping_word: Option<String>,
     #[serde(default)]
     tokens_predicted: Option<usize>,
+    #[serde(default)]
+    tokens_evaluated: Option<usize>,
     #[serde(default)]
     completion_probabilities: Vec<LlamaProb>,
 }
@@ -220,6 +244,7 @@ fn llama_chunk(value: Value) -> Result<Chunk, UpstreamError> {
         tokens: c.tokens,
         text: c.content,
         generated: c.tokens_predicted,
+        evaluated: c.tokens_evaluated,
         end,
         done: false,
     })
@@ -265,6 +290,7 @@ fn vllm_chunk(value: Value) -> Result<Chunk, UpstreamError> {
         text: choice.text,
         logprobs,
         generated: None,
+        evaluated: None,
         end,
         done: false,
     })
@@ -289,6 +315,7 @@ mod tests {
             seed: Some(7),
         };
         let ask = CompletionAsk {
+            prompt_text: None,
             context: &[1, 2, 3],
             max_new_tokens: 5,
             sampling: &sampling,
@@ -301,7 +328,7 @@ mod tests {
         assert_eq!(body["prompt"], json!([1, 2, 3]));
         assert_eq!(body["n_predict"], 5);
         assert_eq!(body["return_tokens"], true);
-        assert_eq!(body["top_k"], 40);
+        assert_eq!(body["top_k"], 1, "greedy");
         assert_eq!(body["seed"], 7);
         assert_eq!(body["n_probs"], 1);
         assert_eq!(body["stop"], json!(["\n"]));
@@ -312,6 +339,29 @@ mod tests {
         };
         let (_, body) = completion_request(UpstreamKind::LlamaServer, "m", &uncached);
         assert_eq!(body["cache_prompt"], false);
+        let sampled = SamplingParams {
+            temperature: 0.7,
+            ..sampling.clone()
+        };
+        let drawn = CompletionAsk {
+            sampling: &sampled,
+            ..ask.clone()
+        };
+        let (_, body) = completion_request(UpstreamKind::LlamaServer, "m", &drawn);
+        assert_eq!(body["top_k"], 40);
+        let text = CompletionAsk {
+            prompt_text: Some("Hi"),
+            context: &[],
+            ..ask.clone()
+        };
+        let (_, body) = completion_request(UpstreamKind::LlamaServer, "m", &text);
+        assert_eq!(body["prompt"], json!("Hi"));
+        let continued = CompletionAsk {
+            prompt_text: Some("Hi"),
+            ..ask.clone()
+        };
+        let (_, body) = completion_request(UpstreamKind::LlamaServer, "m", &continued);
+        assert_eq!(body["prompt"], json!(["Hi", 1, 2, 3]));
         let (path, body) = completion_request(UpstreamKind::Vllm, "m", &ask);
         assert_eq!(path, "/v1/completions");
         assert_eq!(body["model"], "m");
@@ -323,10 +373,16 @@ mod tests {
     #[test]
     fn llama_server_chunks_and_their_ends() {
         let k = UpstreamKind::LlamaServer;
-        let c = parse_event(k, r#"{"content":" Paris","tokens":[7042],"stop":false,"tokens_predicted":3,"completion_probabilities":[{"id":7042,"logprob":-0.25}]}"#).unwrap();
+        let c = parse_event(k, r#"{"content":" Paris","tokens":[7042],"stop":false,"tokens_predicted":3,"tokens_evaluated":9,"completion_probabilities":[{"id":7042,"logprob":-0.25}]}"#).unwrap();
         assert_eq!(
-            (c.tokens, c.text.as_str(), c.logprobs, c.generated),
-            (vec![7042], " Paris", vec![-0.25], Some(3))
+            (
+                c.tokens,
+                c.text.as_str(),
+                c.logprobs,
+                c.generated,
+                c.evaluated
+            ),
+            (vec![7042], " Paris", vec![-0.25], Some(3), Some(9))
         );
         assert_eq!(c.end, None);
         let end = |t: &str| parse_event(k, t).unwrap().end;

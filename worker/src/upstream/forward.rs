@@ -25,30 +25,34 @@ pub(super) struct Forward {
     /// Stops the sequence as CANCELLED.
     pub abort: oneshot::Receiver<()>,
     pub timing: FirstToken,
+    /// The engine tokenized a text prompt: its count of the prompt's tokens
+    /// is relayed before the first token.
+    pub counts_prompt: bool,
 }
 
 /// What the first token's time to arrive is made of, so that the worker's
 /// own part of it is measured apart from the engine's (whose prefill
 /// varies by far more than the worker adds).
 pub(super) struct FirstToken {
-    /// Preparing the request waited this long on the engine (tokenize).
-    pub tokenize: Duration,
+    /// Preparing the request waited this long on the engine (its chat
+    /// template, or its tokenizer where the prompt goes as ids).
+    pub prepare: Duration,
     /// When the completion request was sent.
     pub asked: Instant,
 }
 
 impl FirstToken {
     /// Records the parts of the first token's time, which arrived from the
-    /// engine at `arrived` and is relayed now: `tokenize` and `completion`
+    /// engine at `arrived` and is relayed now: `prepare` and `completion`
     /// (the engine's, request sent → the event read) and `worker` (all the
     /// rest since the request came in: parsing, queueing for a slot,
     /// building the body, parsing the event, the hand-off to the reply).
     fn record(&self, req: &SequenceRequest, arrived: Instant, labels: &[(&'static str, String)]) {
         let total = req.enqueued.elapsed();
         let completion = arrived.saturating_duration_since(self.asked);
-        let worker = total.saturating_sub(self.tokenize + completion);
+        let worker = total.saturating_sub(self.prepare + completion);
         for (part, d) in [
-            ("tokenize", self.tokenize),
+            ("prepare", self.prepare),
             ("completion", completion),
             ("worker", worker),
         ] {
@@ -61,7 +65,7 @@ impl FirstToken {
         // worker's part from it (the histogram's buckets are too coarse for
         // tens of microseconds).
         tracing::debug!(
-            tokenize_us = self.tokenize.as_micros() as u64,
+            prepare_us = self.prepare.as_micros() as u64,
             completion_us = completion.as_micros() as u64,
             worker_us = worker.as_micros() as u64,
             "upstream first token"
@@ -79,6 +83,8 @@ struct Progress {
     first_token: Option<Duration>,
     /// Text the engine sent without a token, delivered with the next one.
     pending_text: String,
+    /// The engine's count of the prompt's tokens was relayed.
+    prompt_counted: bool,
 }
 
 impl Forward {
@@ -97,6 +103,7 @@ impl Forward {
             engine_tokens: 0,
             first_token: None,
             pending_text: String::new(),
+            prompt_counted: false,
         };
         let outcome = loop {
             let frame = tokio::select! {
@@ -199,8 +206,17 @@ impl Forward {
             text,
             logprobs,
             generated,
+            evaluated,
             ..
         } = chunk;
+        if let Some(evaluated) =
+            evaluated.filter(|_| self.counts_prompt && !progress.prompt_counted)
+        {
+            // llama-server's count covers a continuation's ids too.
+            let tokens = evaluated.saturating_sub(req.already_emitted) as u32;
+            let _ = req.events.send(Event::PromptCounted { tokens });
+            progress.prompt_counted = true;
+        }
         progress.pending_text.push_str(&text);
         let out: Vec<u32> = tokens
             .iter()

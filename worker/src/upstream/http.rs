@@ -57,7 +57,10 @@ impl EngineHttp {
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(timeout));
         let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(60))
+            // Under llama-server's keep-alive (cpp-httplib ends a connection
+            // idle for 5 s): a connection it closed while pooled here is one
+            // a request can go out on unanswered.
+            .pool_idle_timeout(POOL_IDLE)
             .build(connector);
         Ok(Self {
             client,
@@ -93,25 +96,31 @@ impl EngineHttp {
     }
 
     /// Sends a request and waits for the answer's head. A request whose
-    /// connection the engine closed before answering a byte is sent once
-    /// more: that is a kept-alive connection the engine closed as the
-    /// request went out (llama-server's HTTP server ends idle and spent
-    /// connections), so the engine never saw it, and none of the engines'
-    /// calls has effects beyond its own answer.
+    /// connection the engine closed before answering a byte is sent again,
+    /// up to [`RESENDS`] times: that is a kept-alive connection the engine
+    /// closed as the request went out (llama-server's HTTP server ends idle
+    /// and spent connections), so the engine never saw it, and none of the
+    /// engines' calls has effects beyond its own answer. More than once,
+    /// because the next pooled connection may have been closed alike.
     async fn send(
         &self,
-        req: Request<Full<Bytes>>,
+        mut req: Request<Full<Bytes>>,
     ) -> Result<http::Response<Incoming>, UpstreamError> {
-        let again = clone_request(&req);
-        match self.client.request(req).await {
-            Err(e) if closed_before_answer(&e) => {
-                tracing::debug!(error = %error_chain(&e), "engine closed the connection unanswered; sending again");
-                metrics::counter!("tokenmesh_worker_upstream_resent_total").increment(1);
-                self.client.request(again).await
+        let mut sent = 0;
+        loop {
+            let again = (sent < RESENDS).then(|| clone_request(&req));
+            match (self.client.request(req).await, again) {
+                (Err(e), Some(again)) if closed_before_answer(&e) => {
+                    tracing::debug!(error = %error_chain(&e), "engine closed the connection unanswered; sending again");
+                    metrics::counter!("tokenmesh_worker_upstream_resent_total").increment(1);
+                    sent += 1;
+                    req = again;
+                }
+                (answer, _) => {
+                    return answer.map_err(|e| UpstreamError::Unreachable(error_chain(&e)))
+                }
             }
-            other => other,
         }
-        .map_err(|e| UpstreamError::Unreachable(error_chain(&e)))
     }
 
     /// `GET path`: the status and the whole (bounded) body.
@@ -195,6 +204,13 @@ pub async fn drain(body: Incoming) {
         tracing::debug!(error = %e, "the rest of a finished stream was not read");
     }
 }
+
+/// How long a pooled connection to the engine may idle: under the 5 s
+/// after which llama-server's HTTP server closes one.
+const POOL_IDLE: Duration = Duration::from_secs(4);
+
+/// How many times a request the engine closed unanswered is sent again.
+const RESENDS: usize = 3;
 
 /// A copy of a request with a whole body, to send again.
 fn clone_request(req: &Request<Full<Bytes>>) -> Request<Full<Bytes>> {

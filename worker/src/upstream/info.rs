@@ -69,14 +69,27 @@ fn number(value: &Value, pointer: &str, path: &str) -> Result<usize, UpstreamErr
         .ok_or_else(|| UpstreamError::Malformed(format!("{path}: no positive number at {pointer}")))
 }
 
+/// A request's prompt as an engine takes it.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Prompt {
+    /// Text the engine tokenizes itself as part of the completion
+    /// (llama-server, whose `/completion` also takes text followed by the
+    /// ids of a continuation): no round trip to its tokenizer first.
+    Text(String),
+    /// Token ids from the engine's tokenizer (vLLM, whose completions take
+    /// either text or ids, not both, so a continuation needs the prompt's).
+    Tokens(Vec<u32>),
+}
+
 /// The prompt or chat messages of `g`, rendered by the engine's chat
-/// template and tokenized by its tokenizer.
+/// template (llama-server's `/apply-template`, vLLM's `/tokenize`), as
+/// `kind` takes it in a completion.
 pub async fn encode_prompt(
     http: &EngineHttp,
     kind: UpstreamKind,
     model: &str,
     g: &GenerateRequest,
-) -> Result<Vec<u32>, UpstreamError> {
+) -> Result<Prompt, UpstreamError> {
     let messages: Vec<Value> = g
         .messages
         .iter()
@@ -84,19 +97,17 @@ pub async fn encode_prompt(
         .collect();
     match kind {
         UpstreamKind::LlamaServer => {
-            let text = if messages.is_empty() {
-                g.prompt.clone()
-            } else {
-                let rendered = http
-                    .post_json("/apply-template", &json!({ "messages": messages }))
-                    .await?;
-                rendered
-                    .get("prompt")
-                    .and_then(Value::as_str)
-                    .ok_or_else(|| UpstreamError::Malformed("/apply-template: no prompt".into()))?
-                    .to_string()
-            };
-            llama_tokenize(http, &text, true).await
+            if messages.is_empty() {
+                return Ok(Prompt::Text(g.prompt.clone()));
+            }
+            let rendered = http
+                .post_json("/apply-template", &json!({ "messages": messages }))
+                .await?;
+            let text = rendered
+                .get("prompt")
+                .and_then(Value::as_str)
+                .ok_or_else(|| UpstreamError::Malformed("/apply-template: no prompt".into()))?;
+            Ok(Prompt::Text(text.to_string()))
         }
         UpstreamKind::Vllm => {
             let body = if messages.is_empty() {
@@ -104,7 +115,7 @@ pub async fn encode_prompt(
             } else {
                 json!({"model": model, "messages": messages, "add_generation_prompt": true})
             };
-            token_list(&http.post_json("/tokenize", &body).await?, "/tokenize")
+            token_list(&http.post_json("/tokenize", &body).await?, "/tokenize").map(Prompt::Tokens)
         }
     }
 }

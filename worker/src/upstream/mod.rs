@@ -6,7 +6,11 @@
 //! Each request is rendered and tokenized by the engine (so token ids are
 //! the engine's), then forwarded to its streaming completion endpoint with
 //! the prompt, and for a continuation after a failover the tokens already
-//! emitted, as token ids; its stream becomes `Accepted`/`Delta`/`Finished`.
+//! emitted as token ids; its stream becomes `Accepted`/`Delta`/`Finished`.
+//! llama-server takes the prompt as text (followed by the continuation's
+//! ids) and tokenizes it inside the completion, so a request costs one
+//! round trip to it, not two; it then says how many prompt tokens it
+//! counted, which the usage reports.
 //! At most `--max-batch` requests are forwarded at once (the engine's
 //! slots), at most `--queue-capacity` wait for one; beyond that
 //! RESOURCE_EXHAUSTED. What differs from the worker's own engine:
@@ -27,7 +31,7 @@ mod sse;
 
 pub use error::UpstreamError;
 pub use http::BadUrl;
-pub use info::EngineInfo;
+pub use info::{EngineInfo, Prompt};
 
 use crate::errors::WorkerError;
 use crate::request::Limits;
@@ -261,8 +265,9 @@ impl UpstreamEngine {
         self.healthy.load(Ordering::SeqCst)
     }
 
-    /// Renders and tokenizes `g` through the engine.
-    pub async fn encode_prompt(&self, g: &GenerateRequest) -> Result<Vec<u32>, WorkerError> {
+    /// Renders `g` through the engine, as the engine takes it in a
+    /// completion.
+    pub async fn encode_prompt(&self, g: &GenerateRequest) -> Result<Prompt, WorkerError> {
         info::encode_prompt(&self.http, self.kind, &self.info.model, g)
             .await
             .map_err(|e| self.failed(e))
@@ -276,12 +281,15 @@ impl UpstreamEngine {
 
     /// Waits for a slot (refusing at once when the queue is full), opens the
     /// engine's stream and relays it to `req.events` from a task of its own.
-    /// `tokenize` is how long preparing the request waited on the engine.
+    /// `prepare` is how long preparing the request waited on the engine;
+    /// `prompt_text`, the prompt when the engine tokenizes it (`req.context`
+    /// then holds only a continuation's emitted tokens).
     pub async fn submit(
         &self,
         req: SequenceRequest,
         deadline: Option<tokio::time::Instant>,
-        tokenize: Duration,
+        prepare: Duration,
+        prompt_text: Option<String>,
     ) -> Result<(), WorkerError> {
         if self.stats.draining.load(Ordering::SeqCst) {
             return Err(SubmitError::Draining.into());
@@ -314,6 +322,7 @@ impl UpstreamEngine {
             queued: req.enqueued.elapsed(),
         });
         let ask = dialect::CompletionAsk {
+            prompt_text: prompt_text.as_deref(),
             context: &req.context,
             max_new_tokens: req.max_tokens.saturating_sub(req.already_emitted),
             sampling: &req.sampling,
@@ -346,7 +355,8 @@ impl UpstreamEngine {
             stats: self.stats.clone(),
             labels: self.labels.clone(),
             abort: abort_rx,
-            timing: forward::FirstToken { tokenize, asked },
+            timing: forward::FirstToken { prepare, asked },
+            counts_prompt: prompt_text.is_some(),
         };
         let aborts = self.aborts.clone();
         let span = req.span.clone();
