@@ -243,19 +243,19 @@ async fn a_canary_between_a_native_and_an_upstream_version_splits_as_the_policy_
     );
 }
 
+/// The scripted engine and an upstream worker in front of it, with the
+/// worker's metrics address.
+async fn scripted_with_metrics(dir: &std::path::Path) -> (Proc, WorkerProc, String) {
+    let (engine, url) = scripted_engine(dir).await.unwrap();
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let worker = upstream_worker("up", "v1", &url, &["--metrics-listen", &metrics], dir).await;
+    (engine, worker, metrics)
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn bad_upstream_answers_become_clear_statuses_and_are_counted() {
     let dir = tempfile::tempdir().unwrap();
-    let (_engine, url) = scripted_engine(dir.path()).await.unwrap();
-    let metrics = format!("127.0.0.1:{}", free_port());
-    let worker = upstream_worker(
-        "up",
-        "v1",
-        &url,
-        &["--metrics-listen", &metrics],
-        dir.path(),
-    )
-    .await;
+    let (_engine, worker, metrics) = scripted_with_metrics(dir.path()).await;
     let mut wc = worker.client().await;
     let outcome = |prompt: &str| {
         let mut wc = wc.clone();
@@ -366,16 +366,7 @@ async fn the_prompt_goes_as_text_and_a_continuation_as_text_then_ids() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_request_the_engine_closed_unanswered_is_sent_once_more() {
     let dir = tempfile::tempdir().unwrap();
-    let (_engine, url) = scripted_engine(dir.path()).await.unwrap();
-    let metrics = format!("127.0.0.1:{}", free_port());
-    let worker = upstream_worker(
-        "up",
-        "v1",
-        &url,
-        &["--metrics-listen", &metrics],
-        dir.path(),
-    )
-    .await;
+    let (_engine, worker, metrics) = scripted_with_metrics(dir.path()).await;
     let (ids, text) = collect_worker(&worker, prompt_request("r", 4)).await;
     assert_eq!((ids.as_slice(), text.as_str()), (&[120, 121][..], " x y"));
     let text = scrape_text(&metrics).await.unwrap();
