@@ -167,22 +167,13 @@ impl OpenAi {
             body[k] = v.clone();
         }
         let body = Bytes::from(body.to_string());
-        let request = || {
-            http::Request::post(format!("{}/v1/completions", self.base))
-                .header(http::header::CONTENT_TYPE, "application/json")
-                .body(Full::new(body.clone()))
-                .map_err(|e| Failure::new("CLIENT_ERROR", e.to_string()))
-        };
-        // A kept-alive connection the server closed as the request went out
-        // (llama-server's HTTP server ends idle and spent connections) never
-        // reached it: sent once more, as OpenAI's own clients do.
-        let response = match self.client.request(request()?).await {
-            Err(e) if tokenmesh_worker::upstream::closed_before_answer(&e) => {
-                self.client.request(request()?).await
-            }
-            other => other,
-        }
-        .map_err(|e| Failure::new("UNAVAILABLE", error_chain(&e)))?;
+        let request = http::Request::post(format!("{}/v1/completions", self.base))
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .body(Full::new(body))
+            .map_err(|e| Failure::new("CLIENT_ERROR", e.to_string()))?;
+        let response = tokenmesh_worker::upstream::send_resending(&self.client, request, |_| {})
+            .await
+            .map_err(|e| Failure::new("UNAVAILABLE", error_chain(&e)))?;
         let status = response.status();
         if !status.is_success() {
             // The answer's message, bounded, for the report's example.

@@ -95,32 +95,18 @@ impl EngineHttp {
             .expect("a request from a checked base URL")
     }
 
-    /// Sends a request and waits for the answer's head. A request whose
-    /// connection the engine closed before answering a byte is sent again,
-    /// up to [`RESENDS`] times: that is a kept-alive connection the engine
-    /// closed as the request went out (llama-server's HTTP server ends idle
-    /// and spent connections), so the engine never saw it, and none of the
-    /// engines' calls has effects beyond its own answer. More than once,
-    /// because the next pooled connection may have been closed alike.
+    /// Sends a request and waits for the answer's head, resent as
+    /// [`send_resending`] says.
     async fn send(
         &self,
-        mut req: Request<Full<Bytes>>,
+        req: Request<Full<Bytes>>,
     ) -> Result<http::Response<Incoming>, UpstreamError> {
-        let mut sent = 0;
-        loop {
-            let again = (sent < RESENDS).then(|| clone_request(&req));
-            match (self.client.request(req).await, again) {
-                (Err(e), Some(again)) if closed_before_answer(&e) => {
-                    tracing::debug!(error = %error_chain(&e), "engine closed the connection unanswered; sending again");
-                    metrics::counter!("tokenmesh_worker_upstream_resent_total").increment(1);
-                    sent += 1;
-                    req = again;
-                }
-                (answer, _) => {
-                    return answer.map_err(|e| UpstreamError::Unreachable(error_chain(&e)))
-                }
-            }
-        }
+        send_resending(&self.client, req, |e| {
+            tracing::debug!(error = %error_chain(e), "engine closed the connection unanswered; sending again");
+            metrics::counter!("tokenmesh_worker_upstream_resent_total").increment(1);
+        })
+        .await
+        .map_err(|e| UpstreamError::Unreachable(error_chain(&e)))
     }
 
     /// `GET path`: the status and the whole (bounded) body.
@@ -212,6 +198,35 @@ const POOL_IDLE: Duration = Duration::from_secs(4);
 /// How many times a request the engine closed unanswered is sent again.
 const RESENDS: usize = 3;
 
+/// Sends `req` and waits for the answer's head. A request whose connection
+/// the server closed before answering a byte is sent again, up to
+/// [`RESENDS`] times (`resent` is told each time): that is a kept-alive
+/// connection the server closed as the request went out (llama-server's
+/// HTTP server ends idle and spent connections), so it never saw the
+/// request. More than once, because the next pooled connection may have
+/// been closed alike. Only for calls with no effect beyond their answer
+/// (the engines' completions, tokenize and template calls). Shared with
+/// meshctl's OpenAI client, which resends in the same case, as OpenAI's
+/// own clients do.
+pub async fn send_resending(
+    client: &Client<HttpConnector, Full<Bytes>>,
+    mut req: Request<Full<Bytes>>,
+    mut resent: impl FnMut(&hyper_util::client::legacy::Error),
+) -> Result<http::Response<Incoming>, hyper_util::client::legacy::Error> {
+    let mut sent = 0;
+    loop {
+        let again = (sent < RESENDS).then(|| clone_request(&req));
+        match (client.request(req).await, again) {
+            (Err(e), Some(again)) if closed_before_answer(&e) => {
+                resent(&e);
+                sent += 1;
+                req = again;
+            }
+            (answer, _) => return answer,
+        }
+    }
+}
+
 /// A copy of a request with a whole body, to send again.
 fn clone_request(req: &Request<Full<Bytes>>) -> Request<Full<Bytes>> {
     let mut copy = Request::new(req.body().clone());
@@ -223,9 +238,8 @@ fn clone_request(req: &Request<Full<Bytes>>) -> Request<Full<Bytes>> {
 
 /// Whether the connection closed before any byte of an answer arrived
 /// (hyper: "connection closed before message completed"), not a refused
-/// connection, which sending again would not mend. Shared with meshctl's
-/// OpenAI client, which resends in the same case.
-pub fn closed_before_answer(e: &hyper_util::client::legacy::Error) -> bool {
+/// connection, which sending again would not mend.
+fn closed_before_answer(e: &hyper_util::client::legacy::Error) -> bool {
     !e.is_connect()
         && std::error::Error::source(e)
             .and_then(|s| s.downcast_ref::<hyper::Error>())

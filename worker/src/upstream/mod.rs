@@ -24,7 +24,7 @@ mod dialect;
 mod error;
 mod forward;
 mod http;
-pub use http::closed_before_answer;
+pub use http::send_resending;
 mod info;
 pub mod load;
 mod sse;
