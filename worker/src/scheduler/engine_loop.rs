@@ -148,6 +148,10 @@ impl<M: StepModel> Scheduler<M> {
         self.drop_cancelled();
         self.admit();
         if !self.active.is_empty() {
+            // Admission moved sequences out of `queued`: publish before the
+            // step so Status never shows them in neither count while a long
+            // prefill runs, nor a first token before its sequence.
+            self.publish();
             self.step();
         }
         self.publish();

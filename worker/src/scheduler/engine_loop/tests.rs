@@ -18,6 +18,10 @@ struct CountingModel {
     /// Per step: (request id, tokens fed) of each sequence.
     steps: Vec<Vec<(String, usize)>>,
     bytes: Vec<Vec<u8>>,
+    /// The published counters, read at each step as Status would read them.
+    stats: Option<Arc<EngineStats>>,
+    /// Per step: (active, queued) as published when the step began.
+    seen: Vec<(u32, u32)>,
 }
 
 impl CountingModel {
@@ -25,6 +29,8 @@ impl CountingModel {
         Self {
             steps: vec![],
             bytes: (0..VOCAB).map(|t| format!(" t{t}").into_bytes()).collect(),
+            stats: None,
+            seen: vec![],
         }
     }
 }
@@ -57,6 +63,10 @@ impl StepModel for CountingModel {
         pool: &mut KvPool,
         batch: &mut [BatchSeq<'_, String>],
     ) -> Result<StepOutput, ModelError> {
+        if let Some(st) = &self.stats {
+            let active = st.active.load(Ordering::SeqCst);
+            self.seen.push((active, st.queued.load(Ordering::SeqCst)));
+        }
         let v = VOCAB as usize;
         let mut values = vec![f32::NEG_INFINITY; batch.len() * v];
         let mut failed = vec![];
@@ -218,6 +228,22 @@ fn the_batch_holds_max_batch_and_the_rest_wait() {
     assert_eq!(s.stats.queued_by_priority[1].load(Ordering::SeqCst), 1);
     // Each step ran both running sequences together.
     assert_eq!(s.model.steps[0].len(), 2);
+}
+
+#[test]
+fn admitted_sequences_are_counted_before_their_first_step() {
+    // Status read during a long prefill must see the admitted sequences as
+    // running; they have already left the queue.
+    let stats = Arc::new(EngineStats::default());
+    let mut model = CountingModel::new();
+    model.stats = Some(stats.clone());
+    let mut s = Scheduler::new(model, config(2, 256), stats).unwrap();
+    let _rxs: Vec<Rx> = ["a", "b", "c"]
+        .iter()
+        .map(|id| normal(&mut s, id, &[1, 2], 5))
+        .collect();
+    s.tick();
+    assert_eq!(s.model.seen, [(2, 1)]);
 }
 
 #[test]
