@@ -30,8 +30,10 @@
 #     router from DIR (path router-base, e.g. a build of main) to the rotation.
 # (11) upstream (issue 21): llama-server (scripts/llama-cpp.sh) called
 #     directly against the same llama-server behind the router and an
-#     upstream worker, interleaved, same prompts, prompt cache off, at 1 and
-#     16 streams, with the worker's own part of each first token's time;
+#     upstream worker (of the llama-server kind, and of the openai kind on
+#     the direct path's own endpoint), interleaved, same prompts, prompt
+#     cache off, at 1 and 16 streams, with the worker's own part of each
+#     first token's time;
 #     llama-server pinned to CPU ENGINE_CPU (default 0), the worker, the
 #     router and the load generator to CPU PROXY_CPU (default 1), both paths.
 # (12) prefix (issue 17): the multi-turn chat workload (meshctl bench chat)
@@ -441,6 +443,10 @@ echo "== upstream engine: llama-server directly vs through the router and an ups
 # whose time varies from prompt to prompt, small. The worker logs the parts
 # of each first token's time (its own, prepare, /completion), which
 # scripts/upstream_parts.py summarizes apart from llama-server's noise.
+# A third path, `openai`, goes through a second router and a worker of
+# --upstream-kind openai, which calls the same /v1/completions the direct
+# path calls (text in, text out, no token ids): the mesh's cost with the
+# engine's endpoint held equal.
 LLAMA_SERVER=${TOKENMESH_LLAMA_CPP:-target/llama.cpp}/bin/llama-server
 [ -x "$LLAMA_SERVER" ] || { echo "no $LLAMA_SERVER: run scripts/llama-cpp.sh" >&2; exit 1; }
 command -v taskset >/dev/null || { echo "taskset is not installed (util-linux)" >&2; exit 1; }
@@ -457,28 +463,37 @@ WORKER_PIN=(taskset -c "$PROXY_CPU"); ROUTER_PIN=(taskset -c "$PROXY_CPU")
 WORKER_LOG="warn,tokenmesh_worker::upstream::forward=debug" WORKER_LOG_FORMAT=json \
   mesh upstream smollm2-135m-instruct --engine upstream --upstream-url "http://127.0.0.1:$lp" --max-batch 16 \
   --upstream-prompt-cache false
+ROUTER_LS=$ROUTER
+WORKER_LOG="warn,tokenmesh_worker::upstream::forward=debug" WORKER_LOG_FORMAT=json \
+  mesh upstream-openai smollm2-135m-instruct --engine upstream --upstream-url "http://127.0.0.1:$lp" --max-batch 16 \
+  --upstream-kind openai --upstream-context-length 1024 --upstream-accelerator cpu --upstream-prompt-cache false
+ROUTER_OPENAI=$ROUTER
 WORKER_PIN=(); ROUTER_PIN=()
 : >"$OUT/upstream.jsonl"; : >"$OUT/upstream-parts.jsonl"
 for c in 1 16; do
   : >"$OUT/upstream-c$c.jsonl"
   for rep in $(seq "$REPS"); do
-    order=(direct router); [ $((rep % 2)) = 0 ] && order=(router direct)
+    order=(direct router openai); [ $((rep % 2)) = 0 ] && order=(openai router direct)
     for to in "${order[@]}"; do
-      if [ $to = direct ]; then args=(--api openai --target "127.0.0.1:$lp" --extra-body '{"cache_prompt": false}');
-      else args=(--target "$ROUTER"); fi
-      before=$(cached); lines=$(wc -l <"$OUT/upstream-worker.log")
+      case $to in
+        direct) args=(--api openai --target "127.0.0.1:$lp" --extra-body '{"cache_prompt": false}'); log=/dev/null ;;
+        router) args=(--target "$ROUTER_LS"); log="$OUT/upstream-worker.log" ;;
+        openai) args=(--target "$ROUTER_OPENAI"); log="$OUT/upstream-openai-worker.log" ;;
+      esac
+      before=$(cached); lines=$(wc -l <"$log")
       taskset -c "$PROXY_CPU" $BIN/meshctl bench "${args[@]}" --concurrency $c --max-tokens 32 --prompt-words "${UPSTREAM_PROMPT_WORDS:-8}" \
         --temperature 0 --duration "${UPSTREAM_DURATION:-20}" --warmup 2 --seed "$rep" --output json --no-progress \
         | tag "$to" "$rep" | tee -a "$OUT/upstream.jsonl" >>"$OUT/upstream-c$c.jsonl"
       echo "c=$c rep $rep $to: prompt tokens llama-server took from its cache: $(( $(cached) - before ))" \
         | tee -a "$OUT/upstream-cache.txt"
-      if [ $to = router ]; then
-        tail -n +$((lines + 1)) "$OUT/upstream-worker.log" \
-          | python3 scripts/upstream_parts.py run streams=$c rep=$rep >>"$OUT/upstream-parts.jsonl"
+      if [ $to != direct ]; then
+        tail -n +$((lines + 1)) "$log" \
+          | python3 scripts/upstream_parts.py run path=$to streams=$c rep=$rep >>"$OUT/upstream-parts.jsonl"
       fi
     done
   done
-  { echo "-- $c stream(s): router + upstream worker vs llama-server direct, same prompts, prompt cache off;"
+  { echo "-- $c stream(s): router + upstream worker (router: llama-server kind, /completion; openai: openai kind,"
+    echo "   /v1/completions) vs llama-server direct (/v1/completions), same prompts, prompt cache off;"
     echo "   per repetition the difference of TTFT p50s and the ratio of tokens/s, then median (range) over $REPS"
   } | tee -a "$OUT/upstream-compare.md"
   python3 scripts/bench_compare.py "$OUT/upstream-c$c.jsonl" --baseline direct | tee -a "$OUT/upstream-compare.md"

@@ -6,8 +6,9 @@ worker_us, the worker's own part; see worker/src/upstream/forward.rs).
 
   upstream_parts.py run LABEL... < LOG_SEGMENT   one JSON line: each part's
       p50/p99 over the segment's requests, with the labels (key=value)
-  upstream_parts.py summary FILE.jsonl            per `streams` label: the
-      median (range) over the runs of each part's p50, as a Markdown table
+  upstream_parts.py summary FILE.jsonl            per `path` and `streams`
+      label: the median (range) over the runs of each part's p50, as a
+      Markdown table
 """
 
 import json
@@ -56,12 +57,13 @@ def summary(path):
             if line.strip():
                 r = json.loads(line)
                 if r["requests"]:
-                    by.setdefault(r["streams"], []).append(r)
-    print("| streams | runs | worker's own µs p50 | worker's own µs p99 "
-          "| engine prepare (template/tokenize) µs p50 | engine /completion to first token µs p50 |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
-    for streams, rs in sorted(by.items(), key=lambda kv: int(kv[0])):
-        print(f"| {streams} | {len(rs)} | {fmt([r['worker_us']['p50'] for r in rs])} "
+                    key = (r.get("path", "router"), int(r["streams"]))
+                    by.setdefault(key, []).append(r)
+    print("| path | streams | runs | worker's own µs p50 | worker's own µs p99 "
+          "| engine prepare (template/tokenize) µs p50 | engine completion to first token µs p50 |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for (path, streams), rs in sorted(by.items()):
+        print(f"| {path} | {streams} | {len(rs)} | {fmt([r['worker_us']['p50'] for r in rs])} "
               f"| {fmt([r['worker_us']['p99'] for r in rs])} "
               f"| {fmt([r['prepare_us']['p50'] for r in rs])} "
               f"| {fmt([r['completion_us']['p50'] for r in rs])} |")

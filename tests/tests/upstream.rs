@@ -513,3 +513,244 @@ async fn a_stream_on_workers_that_cannot_continue_from_token_ids_ends_unavailabl
         status.message()
     );
 }
+
+/// Flags of a worker fronting llama-server as a generic OpenAI-compatible
+/// server. llama-server's /v1/models gives no max_model_len, so the context
+/// window is given, as it must be for such a server.
+const AS_OPENAI: [&str; 6] = [
+    "--upstream-kind",
+    "openai",
+    "--upstream-context-length",
+    "2048",
+    "--upstream-accelerator",
+    "cpu",
+];
+
+/// What a worker streamed for one request: ids, text, log-probabilities,
+/// and its Finished.
+async fn worker_reply(
+    worker: &WorkerProc,
+    req: GenerateRequest,
+) -> (Vec<u32>, String, Vec<f32>, tokenmesh_proto::v1::Finished) {
+    let mut wc = worker.client().await;
+    let call = WorkerGenerateRequest {
+        request: Some(req),
+        ..Default::default()
+    };
+    let mut stream = wc.generate(call).await.unwrap().into_inner();
+    let (mut ids, mut text, mut logprobs, mut finished) = (vec![], String::new(), vec![], None);
+    while let Some(msg) = stream.message().await.unwrap() {
+        match msg.event {
+            Some(Event::Delta(d)) => {
+                ids.extend(d.token_ids);
+                text.push_str(&d.text);
+                logprobs.extend(d.logprobs);
+            }
+            Some(Event::Finished(f)) => finished = Some(f),
+            _ => {}
+        }
+    }
+    (ids, text, logprobs, finished.expect("the stream finishes"))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_openai_kind_worker_streams_what_the_llama_server_kind_streams_without_ids() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = LlamaServer::start("llama", 2, dir.path()).await.unwrap();
+    let native_api = upstream_worker("up-llama", "v1", &engine.url(), &[], dir.path()).await;
+    let generic = upstream_worker("up-openai", "v1", &engine.url(), &AS_OPENAI, dir.path()).await;
+    let status = generic
+        .client()
+        .await
+        .status(StatusRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(status.model, MODEL);
+    assert_eq!(
+        (status.accelerator.as_str(), status.max_context),
+        ("cpu", 2048)
+    );
+
+    let greedy_prompt = GenerateRequest {
+        temperature: Some(0.0),
+        ..prompt_request("The capital of France is", 8)
+    };
+    let stopped = GenerateRequest {
+        stop: vec![".".into()],
+        ..france_request(40)
+    };
+    let with_logprobs = GenerateRequest {
+        logprobs: true,
+        ..france_request(6)
+    };
+    // Chats (rendered by llama-server's template either way) and a plain
+    // prompt; cut by max_tokens, by the end of turn, and by a stop string.
+    let mut ends = std::collections::BTreeSet::new();
+    for (what, req) in [
+        ("a chat cut by max_tokens", france_request(6)),
+        ("a prompt", greedy_prompt),
+        ("a story", story(24)),
+        ("a chat to its end of turn", france_request(60)),
+        ("a chat to a stop string", stopped),
+        ("log-probabilities", with_logprobs),
+    ] {
+        let (ids, text, lps, f) = worker_reply(&native_api, req.clone()).await;
+        let (no_ids, same, lps_too, g) = worker_reply(&generic, req.clone()).await;
+        assert!(
+            no_ids.is_empty(),
+            "{what}: no token ids from the generic API"
+        );
+        assert_eq!(same, text, "{what}");
+        let (u, v) = (f.usage.unwrap(), g.usage.unwrap());
+        assert_eq!(u.prompt_tokens, v.prompt_tokens, "{what}");
+        assert!(v.prompt_tokens >= 5, "{what}: {v:?}");
+        assert_eq!(g.worker_id, "up-openai");
+        ends.insert(f.finish_reason);
+        match f.finish_reason() {
+            tokenmesh_proto::v1::FinishReason::Eos => {
+                assert_eq!(g.finish_reason(), f.finish_reason(), "{what}");
+                // llama-server's usage counts the end-of-turn token, which
+                // the mesh does not output.
+                assert!(
+                    (u.completion_tokens..=u.completion_tokens + 1).contains(&v.completion_tokens),
+                    "{what}: {u:?} {v:?}"
+                );
+            }
+            tokenmesh_proto::v1::FinishReason::Stop => {
+                assert_eq!(f.stop, ".");
+                // The generic API does not say which stop string matched.
+                assert_eq!(
+                    (g.finish_reason(), g.stop.as_str()),
+                    (f.finish_reason(), "")
+                );
+            }
+            _ => {
+                assert_eq!(g.finish_reason(), f.finish_reason(), "{what}");
+                assert_eq!(u.completion_tokens, v.completion_tokens, "{what}");
+                assert_eq!(ids.len(), u.completion_tokens as usize, "{what}");
+            }
+        }
+        if req.logprobs {
+            assert_eq!(lps_too.len(), lps.len(), "{what}: one per token");
+            for (a, b) in lps.iter().zip(&lps_too) {
+                assert!((a - b).abs() < 1e-3, "{what}: {lps:?} vs {lps_too:?}");
+            }
+        }
+    }
+    use tokenmesh_proto::v1::FinishReason::{Eos, Length, Stop};
+    assert_eq!(
+        ends,
+        [Length as i32, Eos as i32, Stop as i32].into(),
+        "every kind of end was seen"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stream_from_an_openai_kind_worker_cut_mid_way_ends_unavailable_not_guessed_at() {
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start().await.unwrap();
+    let engine = LlamaServer::start("llama", 1, dir.path()).await.unwrap();
+    let mut extra: Vec<String> = AS_OPENAI.iter().map(|s| s.to_string()).collect();
+    extra.extend(["--upstream-poll-ms".into(), "100".into()]);
+    let generic = WorkerProc::start(
+        WorkerOpts {
+            etcd: Some(etcd.url.clone()),
+            upstream_url: Some(engine.url()),
+            extra,
+            ..WorkerOpts::new("up-openai")
+        },
+        dir.path(),
+    )
+    .await
+    .unwrap();
+    // A worker that could take a continuation, were one to be guessed at.
+    let _native = WorkerProc::start(
+        WorkerOpts {
+            etcd: Some(etcd.url.clone()),
+            ..WorkerOpts::new("native")
+        },
+        dir.path(),
+    )
+    .await
+    .unwrap();
+    let key = format!("/tokenmesh/workers/{MODEL}/v1/up-openai");
+    let registered = || async {
+        etcd.get_prefix("/tokenmesh/workers/")
+            .await
+            .into_iter()
+            .find(|(k, _, _)| *k == key)
+            .map(|(_, v, _)| serde_json::from_str::<serde_json::Value>(&v).unwrap())
+    };
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            registered().await.is_some()
+        })
+        .await,
+        "the generic worker registers"
+    );
+    let record = registered().await.unwrap();
+    assert_eq!(record["engine"], "openai");
+    assert_eq!(record["continues_from_token_ids"], false, "{record}");
+
+    // Sent a continuation anyway, the worker refuses it.
+    let mut wc = generic.client().await;
+    let call = WorkerGenerateRequest {
+        request: Some(story(8)),
+        emitted_token_ids: vec![1, 2],
+        ..Default::default()
+    };
+    let refused = wc.generate(call).await.expect_err("a continuation");
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+    assert!(
+        refused.message().contains("takes no token ids"),
+        "{}",
+        refused.message()
+    );
+
+    let router = etcd_router(dir.path(), &etcd, 2, &[]).await;
+    let mut client = router.client().await;
+    // Until a stream lands on the generic worker (the router balances).
+    for _ in 0..20 {
+        let mut stream = client.generate(story(200)).await.unwrap().into_inner();
+        let mut on_generic = false;
+        let mut chunks = 0;
+        let outcome = loop {
+            match stream.message().await {
+                Ok(Some(msg)) => match msg.event {
+                    Some(Event::Accepted(a)) => {
+                        on_generic = a.worker_id == "up-openai";
+                        if !on_generic {
+                            break None;
+                        }
+                    }
+                    Some(Event::Delta(d)) => {
+                        assert!(d.token_ids.is_empty());
+                        chunks += 1;
+                        if chunks == 3 {
+                            engine.proc.signal(nix::sys::signal::Signal::SIGKILL);
+                        }
+                    }
+                    Some(Event::Finished(f)) => {
+                        panic!("finished after a loss it cannot mend: {f:?}")
+                    }
+                    None => {}
+                },
+                Ok(None) => panic!("the stream ended without a status"),
+                Err(status) => break Some(status),
+            }
+        };
+        let Some(status) = outcome else { continue };
+        assert!(on_generic);
+        assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+        assert!(
+            status
+                .message()
+                .contains("cannot continue a stream from token ids"),
+            "{}",
+            status.message()
+        );
+        return;
+    }
+    panic!("no stream of 20 was routed to the generic worker");
+}

@@ -8,7 +8,7 @@
 use crate::errors::WorkerError;
 use crate::request::{self, Prepared, PromptModel, Serving};
 use crate::scheduler::{EngineHandle, EngineStats, SequenceRequest, StreamKey};
-use crate::upstream::{Prompt, UpstreamEngine};
+use crate::upstream::{EnginePrompt, Prompt, UpstreamEngine};
 use std::sync::Arc;
 use tokenmesh_proto::v1::WorkerGenerateRequest;
 
@@ -28,7 +28,8 @@ pub enum ServingEngine {
 impl ServingEngine {
     /// Validates and tokenizes `req`; an upstream engine renders a chat
     /// through its own template and, where it can take the prompt as text
-    /// (llama-server), tokenizes it itself as part of the completion.
+    /// (llama-server) or as a chat (a generic OpenAI-compatible server),
+    /// tokenizes it itself as part of the completion.
     pub async fn prepare(
         &self,
         serving: &Serving,
@@ -38,10 +39,16 @@ impl ServingEngine {
             Self::Scheduler { model, .. } => request::prepare(model.as_ref(), serving, req),
             Self::Upstream(up) => {
                 let g = request::checked(serving, req)?;
+                if !req.emitted_token_ids.is_empty() && !up.continues_from_token_ids() {
+                    return Err(WorkerError::BadContinuation(format!(
+                        "this worker's engine ({}) takes no token ids, so it cannot continue a stream",
+                        up.kind().name()
+                    )));
+                }
                 let asked = std::time::Instant::now();
                 let mut prepared = match up.encode_prompt(g).await? {
-                    Prompt::Text(text) => {
-                        request::prepare_text(up.limits(), serving, req, g, text)?
+                    Prompt::Engine(prompt) => {
+                        request::prepare_engine_prompt(up.limits(), serving, req, g, prompt)?
                     }
                     Prompt::Tokens(ids) => {
                         request::prepare_tokens(up.limits(), serving, req, g, ids)?
@@ -58,18 +65,18 @@ impl ServingEngine {
     /// `deadline`), so that the engine's refusals are this call's statuses.
     /// `engine_wait` is the time [`Self::prepare`] spent waiting on an
     /// upstream engine, which its first token's timing leaves out of the
-    /// worker's own time; `prompt_text`, the prompt an upstream engine
-    /// tokenizes itself ([`request::Prepared::prompt_text`]).
+    /// worker's own time; `engine_prompt`, the prompt an upstream engine
+    /// reads itself ([`request::Prepared::engine_prompt`]).
     pub async fn submit(
         &self,
         req: SequenceRequest,
         deadline: Option<tokio::time::Instant>,
         engine_wait: std::time::Duration,
-        prompt_text: Option<String>,
+        engine_prompt: Option<EnginePrompt>,
     ) -> Result<(), WorkerError> {
         match self {
             Self::Scheduler { engine, .. } => Ok(engine.submit(req)?),
-            Self::Upstream(up) => up.submit(req, deadline, engine_wait, prompt_text).await,
+            Self::Upstream(up) => up.submit(req, deadline, engine_wait, engine_prompt).await,
         }
     }
 

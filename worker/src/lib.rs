@@ -324,6 +324,7 @@ pub async fn run(
         (ServingEngine::Upstream(up), Some((kind, engine_model, poll))) => {
             record.engine = kind.name().to_string();
             record.engine_model = engine_model.clone();
+            record.continues_from_token_ids = kind.continues_from_token_ids();
             readiness.not_ready(
                 upstream::load::CONDITION,
                 "the upstream engine is not polled yet",
@@ -431,8 +432,8 @@ fn record_of(
         started_at: time::OffsetDateTime::now_utc()
             .format(&time::format_description::well_known::Rfc3339)
             .unwrap_or_default(),
-        // Both the worker's own engines and its upstream kinds take a
-        // continuation's emitted tokens as ids.
+        // The worker's own engines take a continuation's emitted tokens as
+        // ids; an upstream kind says for itself below.
         continues_from_token_ids: true,
         engine: String::new(),
         engine_model: String::new(),

@@ -148,7 +148,15 @@ impl Relay {
                     self.to.span.record("prompt_tokens", tokens);
                     true
                 }
-                Some(Event::Token { id, text, logprob }) => self.token(id, text, logprob).await,
+                Some(Event::Token { id, text, logprob }) => {
+                    let logprobs = logprob.into_iter().collect();
+                    self.tokens(vec![id], 1, text, logprobs).await
+                }
+                Some(Event::Text {
+                    text,
+                    tokens,
+                    logprobs,
+                }) => self.tokens(vec![], tokens, text, logprobs).await,
                 Some(Event::Finished {
                     reason,
                     stop,
@@ -185,17 +193,20 @@ impl Relay {
         }
     }
 
-    /// One token: its metrics and its delta; false once the client is gone.
-    async fn token(&mut self, id: u32, text: String, logprob: Option<f32>) -> bool {
-        self.completion_tokens += 1;
+    /// `n` tokens (with their ids, where the engine gave them): their
+    /// metrics and their delta; false once the client is gone.
+    async fn tokens(&mut self, ids: Vec<u32>, n: u32, text: String, logprobs: Vec<f32>) -> bool {
+        self.completion_tokens += n;
         let now = Instant::now();
         match self.last_token {
             None => self.ttft.record((now - self.to.started).as_secs_f64()),
-            Some(prev) => self.itl.record((now - prev).as_secs_f64()),
+            Some(prev) => self
+                .itl
+                .record((now - prev).as_secs_f64() / f64::from(n.max(1))),
         }
         self.last_token = Some(now);
-        self.tokens.increment(1);
-        let delta = self.delta(vec![id], text, logprob.into_iter().collect());
+        self.tokens.increment(u64::from(n));
+        let delta = self.delta(ids, text, logprobs);
         self.send(delta).await
     }
 

@@ -7,6 +7,7 @@ use crate::engine::chat_template::ChatTurn;
 use crate::engine::sampling::SamplingParams;
 use crate::engine::LoadedModel;
 use crate::errors::WorkerError;
+use crate::upstream::EnginePrompt;
 use tokenmesh_proto::v1::{GenerateRequest, WorkerGenerateRequest};
 use tokenmesh_proto::validate::check_request;
 
@@ -84,10 +85,10 @@ pub struct Prepared {
     /// Time spent waiting on an upstream engine to prepare the request (its
     /// template and tokenizer); zero on the worker's own engine.
     pub engine_wait: std::time::Duration,
-    /// The rendered prompt as text, for an engine that tokenizes it itself
-    /// (llama-server): `context` then holds only the emitted tokens, and
-    /// `prompt_tokens` is 0 until the engine counts them.
-    pub prompt_text: Option<String>,
+    /// The prompt, for an engine that reads it itself (llama-server, a
+    /// generic OpenAI-compatible server): `context` then holds only the
+    /// emitted tokens, and `prompt_tokens` is 0 until the engine counts them.
+    pub engine_prompt: Option<EnginePrompt>,
 }
 
 /// The sizes request preparation checks a request against.
@@ -166,18 +167,18 @@ pub fn prepare_tokens(
     prepare_context(limits, serving, req, g, prompt, None)
 }
 
-/// [`prepare_tokens`] for a prompt the engine tokenizes itself: the checks
+/// [`prepare_tokens`] for a prompt the engine reads itself: the checks
 /// that need the prompt's length are the engine's (llama-server refuses a
 /// prompt over its context with HTTP 400, and stops a sequence that fills
 /// it as `limit`), so no round trip to its tokenizer precedes the request.
-pub fn prepare_text(
+pub fn prepare_engine_prompt(
     limits: Limits,
     serving: &Serving,
     req: &WorkerGenerateRequest,
     g: &GenerateRequest,
-    text: String,
+    prompt: EnginePrompt,
 ) -> Result<Prepared, WorkerError> {
-    prepare_context(limits, serving, req, g, Vec::new(), Some(text))
+    prepare_context(limits, serving, req, g, Vec::new(), Some(prompt))
 }
 
 /// Appends the emitted tokens of a continuation to `prompt` and checks
@@ -188,7 +189,7 @@ fn prepare_context(
     req: &WorkerGenerateRequest,
     g: &GenerateRequest,
     prompt: Vec<u32>,
-    prompt_text: Option<String>,
+    engine_prompt: Option<EnginePrompt>,
 ) -> Result<Prepared, WorkerError> {
     let context_len = limits.context_length;
     let kv_capacity = serving.kv_capacity;
@@ -241,7 +242,7 @@ fn prepare_context(
         logprobs: g.logprobs,
         priority: crate::scheduler::Priority::from_wire(g.priority),
         engine_wait: std::time::Duration::ZERO,
-        prompt_text,
+        engine_prompt,
     })
 }
 

@@ -135,7 +135,7 @@ impl Worker for WorkerService {
         let (events_tx, events_rx) = mpsc::unbounded_channel();
         span.record("request_id", request_id.as_str());
         span.record("attempt_id", key.attempt_id.as_str());
-        if prepared.prompt_text.is_none() {
+        if prepared.engine_prompt.is_none() {
             // Otherwise the relay records it once the engine has counted.
             span.record("prompt_tokens", prepared.prompt_tokens);
         }
@@ -157,7 +157,7 @@ impl Worker for WorkerService {
                 },
                 deadline,
                 prepared.engine_wait,
-                prepared.prompt_text,
+                prepared.engine_prompt,
             )
             .await
             .map_err(|e| refused(&span, &labels, e.into_status()))?;

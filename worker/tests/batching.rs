@@ -73,6 +73,7 @@ async fn tokens(mut rx: mpsc::UnboundedReceiver<Event>) -> Vec<u32> {
             Event::Failed(m) | Event::Rejected(m) => panic!("{m}"),
             Event::Status(s) => panic!("{s}"),
             Event::Started { .. } | Event::PromptCounted { .. } => {}
+            Event::Text { .. } => panic!("the worker's own engine always gives ids"),
         }
     }
     panic!("stream ended without Finished")

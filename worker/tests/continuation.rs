@@ -100,6 +100,7 @@ async fn collect(mut rx: mpsc::UnboundedReceiver<Event>) -> Run {
             }
             Event::Failed(m) | Event::Rejected(m) => panic!("{m}"),
             Event::Status(s) => panic!("{s}"),
+            Event::Text { .. } => panic!("the worker's own engine always gives ids"),
             Event::Started { .. } | Event::PromptCounted { .. } => {}
         }
     }

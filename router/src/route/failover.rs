@@ -61,6 +61,11 @@ struct ClientStream {
     out: Outbox<Result<Outgoing, Status>>,
     seq: u64,
     emitted: Vec<u32>,
+    /// Completion tokens delivered, as the deltas' usage counts them: the
+    /// ids of `emitted`, or the tokens of a worker that sends no ids.
+    delivered: u32,
+    /// A token has reached the client.
+    first_token_sent: bool,
     meter: StreamMeter,
     failovers: u32,
 }
@@ -115,6 +120,8 @@ pub async fn run(
         out,
         seq: 0,
         emitted: Vec::new(),
+        delivered: 0,
+        first_token_sent: false,
         meter,
         failovers: 0,
     };
@@ -177,8 +184,18 @@ async fn relay(
             }
             WorkerMessage::Empty => {}
             WorkerMessage::Delta(d) => {
-                let tokens = d.token_count();
-                if client.emitted.is_empty() && tokens > 0 {
+                let ids = d.token_count();
+                // A worker whose engine sends no ids counts its tokens in
+                // the usage alone.
+                let tokens = match d.completion_tokens() {
+                    Some(c) if ids == 0 => c.saturating_sub(client.delivered) as usize,
+                    _ => ids,
+                };
+                if let Some(c) = d.completion_tokens() {
+                    client.delivered = c;
+                }
+                if !client.first_token_sent && tokens > 0 {
+                    client.first_token_sent = true;
                     upstream.attempt.first_token(ctx.started.elapsed());
                 }
                 client.meter.tokens(tokens);

@@ -60,17 +60,25 @@ pub struct EncodedDelta {
     body: Range<usize>,
     /// How many token ids it carries.
     tokens: usize,
+    /// Its cumulative `usage.completion_tokens`, if it carries a usage.
+    completion: Option<u32>,
 }
 
 impl WorkerMessage {
     /// Reads one encoded `GenerateResponse`; an error is prost's.
     pub fn parse(bytes: Bytes) -> Result<Self, prost::DecodeError> {
         match scan(&bytes) {
-            Some(Shape::Delta { seq, body, tokens }) => Ok(Self::Delta(EncodedDelta {
+            Some(Shape::Delta {
+                seq,
+                body,
+                tokens,
+                completion,
+            }) => Ok(Self::Delta(EncodedDelta {
                 bytes,
                 seq,
                 body,
                 tokens,
+                completion,
             })),
             Some(Shape::Other) | None => Self::decoded(GenerateResponse::decode(bytes)?),
         }
@@ -104,12 +112,19 @@ impl EncodedDelta {
             body: key + len..bytes.len(),
             bytes,
             tokens: delta.token_ids.len(),
+            completion: delta.usage.map(|u| u.completion_tokens),
         }
     }
 
     /// How many token ids it carries.
     pub fn token_count(&self) -> usize {
         self.tokens
+    }
+
+    /// The stream's completion tokens so far, as its usage counts them
+    /// (also the tokens of a worker whose engine sends no ids).
+    pub fn completion_tokens(&self) -> Option<u32> {
+        self.completion
     }
 
     /// Its token ids, in order.
@@ -192,6 +207,7 @@ enum Shape {
         seq: Range<usize>,
         body: Range<usize>,
         tokens: usize,
+        completion: Option<u32>,
     },
     /// Some other event, or none: prost decodes it.
     Other,
@@ -224,18 +240,25 @@ fn scan(msg: &[u8]) -> Option<Shape> {
         }
     }
     match event {
-        Some((DELTA, body)) => Some(Shape::Delta {
-            tokens: scan_delta(&msg[body.clone()])?,
-            seq: seq.unwrap_or(0..0),
-            body,
-        }),
+        Some((DELTA, body)) => {
+            let (tokens, completion) = scan_delta(&msg[body.clone()])?;
+            Some(Shape::Delta {
+                tokens,
+                completion,
+                seq: seq.unwrap_or(0..0),
+                body,
+            })
+        }
         _ => Some(Shape::Other),
     }
 }
 
-/// Checks a `Delta`'s fields as prost reads them; the number of token ids.
-fn scan_delta(mut buf: &[u8]) -> Option<usize> {
+/// Checks a `Delta`'s fields as prost reads them; the number of token ids
+/// and the usage's completion tokens (prost's: the last value read, zero
+/// in a usage without one).
+fn scan_delta(mut buf: &[u8]) -> Option<(usize, Option<u32>)> {
     let mut tokens = 0;
+    let mut completion = None;
     while buf.has_remaining() {
         let (tag, wire) = decode_key(&mut buf).ok()?;
         match (tag, wire) {
@@ -259,27 +282,34 @@ fn scan_delta(mut buf: &[u8]) -> Option<usize> {
                 }
             }
             (LOGPROBS, WireType::ThirtyTwoBit) => skip(wire, &mut buf)?,
-            (USAGE, WireType::LengthDelimited) => scan_usage(take_len(&mut buf)?)?,
+            (USAGE, WireType::LengthDelimited) => {
+                // Repeated usage fields merge, as prost merges them.
+                let c = scan_usage(take_len(&mut buf)?)?;
+                completion = Some(c.or(completion.flatten()));
+            }
             (TOKEN_IDS | TEXT | LOGPROBS | USAGE, _) => return None,
             _ => skip(wire, &mut buf)?,
         }
     }
-    Some(tokens)
+    Some((tokens, completion.map(|c| c.unwrap_or(0))))
 }
 
-/// Checks a `Usage` (two uint32 fields).
-fn scan_usage(mut buf: &[u8]) -> Option<()> {
+/// Checks a `Usage` (two uint32 fields); its `completion_tokens`, if set.
+fn scan_usage(mut buf: &[u8]) -> Option<Option<u32>> {
+    let mut completion = None;
     while buf.has_remaining() {
         let (tag, wire) = decode_key(&mut buf).ok()?;
         match (tag, wire) {
-            (1 | 2, WireType::Varint) => {
+            (1, WireType::Varint) => {
                 decode_varint(&mut buf).ok()?;
             }
+            // prost keeps the low 32 bits of a uint32 written wider.
+            (2, WireType::Varint) => completion = Some(decode_varint(&mut buf).ok()? as u32),
             (1 | 2, _) => return None,
             _ => skip(wire, &mut buf)?,
         }
     }
-    Some(())
+    Some(completion)
 }
 
 /// The payload of a length-delimited field whose key was just read.

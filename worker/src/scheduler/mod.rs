@@ -51,6 +51,14 @@ pub enum Event {
         text: String,
         logprob: Option<f32>,
     },
+    /// Generated tokens whose ids the engine does not say (a generic
+    /// OpenAI-compatible upstream), and their text.
+    Text {
+        text: String,
+        tokens: u32,
+        /// One per token, when asked for and sent.
+        logprobs: Vec<f32>,
+    },
     /// The last event of a sequence that ran to its end.
     Finished {
         reason: Finish,

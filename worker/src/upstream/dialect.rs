@@ -8,7 +8,13 @@
 //!   `stop: true` and `stop_type` eos / word (with `stopping_word`) / limit.
 //! - vLLM: `POST /v1/completions` with `return_token_ids` (vLLM 0.10.2 and
 //!   later), `stream_options.include_usage`; `[DONE]` ends the stream.
+//! - any OpenAI-compatible server: `POST /v1/completions` (a prompt) or
+//!   `/v1/chat/completions` (a chat) with `stream_options.include_usage`;
+//!   text without token ids, a token count per chunk from its log-probs
+//!   where sent (else one per chunk with text), the exact counts in the
+//!   usage that follows the finish, then `[DONE]`.
 use super::error::UpstreamError;
+use super::info::EnginePrompt;
 use super::UpstreamKind;
 use crate::engine::sampling::{SamplingParams, PENALTY_WINDOW};
 use serde::Deserialize;
@@ -17,10 +23,11 @@ use serde_json::{json, Value};
 /// What one streamed completion asks of the engine.
 #[derive(Clone, Debug)]
 pub struct CompletionAsk<'a> {
-    /// The prompt as text, for an engine that tokenizes it (llama-server);
-    /// `context` then holds only the tokens already emitted.
-    pub prompt_text: Option<&'a str>,
-    /// Prompt (unless `prompt_text`) and already emitted tokens.
+    /// The prompt, for an engine that reads it itself (llama-server, a
+    /// generic OpenAI-compatible server); `context` then holds only the
+    /// tokens already emitted.
+    pub prompt: Option<&'a EnginePrompt>,
+    /// Prompt (unless `prompt`) and already emitted tokens.
     pub context: &'a [u32],
     /// Tokens the engine may still generate.
     pub max_new_tokens: usize,
@@ -43,7 +50,12 @@ pub fn completion_request(
             // Text, then a continuation's ids: llama-server tokenizes a
             // leading string with BOS and special tokens parsed, as its
             // /tokenize with add_special and parse_special.
-            let prompt = match ask.prompt_text {
+            // Chats reach llama-server rendered (its /apply-template).
+            let text = match ask.prompt {
+                Some(EnginePrompt::Text(text)) => Some(text.as_str()),
+                Some(EnginePrompt::Chat(_)) | None => None,
+            };
+            let prompt = match text {
                 Some(text) if ask.context.is_empty() => json!(text),
                 Some(text) => {
                     let mut mixed = Vec::with_capacity(ask.context.len() + 1);
@@ -104,7 +116,59 @@ pub fn completion_request(
             }
             ("/v1/completions", body)
         }
+        UpstreamKind::Openai => openai_request(model, ask),
     }
+}
+
+/// A generic OpenAI-compatible server's streaming completion: only the
+/// parameters the API defines, and the common extensions (`top_k`,
+/// `repetition_penalty`) only where the request departs from their
+/// neutral values, so a strict server refuses only what it cannot do.
+fn openai_request(model: &str, ask: &CompletionAsk<'_>) -> (&'static str, Value) {
+    let s = ask.sampling;
+    let (path, mut body) = match ask.prompt {
+        Some(EnginePrompt::Chat(messages)) => {
+            let messages: Vec<Value> = messages
+                .iter()
+                .map(|(role, content)| json!({"role": role, "content": content}))
+                .collect();
+            ("/v1/chat/completions", json!({"messages": messages}))
+        }
+        Some(EnginePrompt::Text(text)) => ("/v1/completions", json!({"prompt": text})),
+        // Token ids are a valid prompt in the API; the worker sends text.
+        None => ("/v1/completions", json!({"prompt": ask.context})),
+    };
+    body["model"] = json!(model);
+    body["max_tokens"] = json!(ask.max_new_tokens);
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true});
+    body["temperature"] = json!(s.temperature);
+    body["top_p"] = json!(s.top_p);
+    if !ask.stop.is_empty() {
+        body["stop"] = json!(ask.stop);
+    }
+    if let Some(seed) = s.seed {
+        body["seed"] = json!(seed);
+    }
+    if s.top_k > 0 && s.temperature > 0.0 {
+        body["top_k"] = json!(s.top_k);
+    }
+    if s.repetition_penalty != 1.0 {
+        body["repetition_penalty"] = json!(s.repetition_penalty);
+    }
+    if !ask.cache_prompt {
+        // llama-server's extension, sent only when switched off: its
+        // OpenAI endpoints reuse a slot's cached prefix by default.
+        body["cache_prompt"] = json!(false);
+    }
+    if ask.logprobs {
+        if path == "/v1/chat/completions" {
+            body["logprobs"] = json!(true);
+        } else {
+            body["logprobs"] = json!(1);
+        }
+    }
+    (path, body)
 }
 
 /// How the engine ended a sequence.
@@ -114,6 +178,9 @@ pub enum End {
     Length,
     /// A stop string matched (it is not in the text).
     Stop(String),
+    /// A stop string or the end of turn: a generic server's
+    /// `finish_reason: stop` that does not say which.
+    StopOrEos,
 }
 
 /// One event of the engine's stream.
@@ -132,9 +199,15 @@ pub struct Chunk {
     /// Tokens of the prompt (and continuation) the engine evaluated, where
     /// it says (llama-server's `tokens_evaluated`).
     pub evaluated: Option<usize>,
+    /// Tokens generated since the last chunk whose ids the engine does not
+    /// send (a generic OpenAI-compatible server); `tokens` is then empty.
+    pub untokenized: usize,
+    /// The engine's (prompt, completion) token counts, where it sends them
+    /// (OpenAI's `usage`).
+    pub usage: Option<(u32, u32)>,
     /// Set on the chunk that ends the sequence.
     pub end: Option<End>,
-    /// vLLM's `[DONE]`: nothing follows.
+    /// OpenAI's `[DONE]`: nothing follows.
     pub done: bool,
 }
 
@@ -215,6 +288,7 @@ pub fn parse_event(kind: UpstreamKind, data: &str) -> Result<Chunk, UpstreamErro
     match kind {
         UpstreamKind::LlamaServer => llama_chunk(value),
         UpstreamKind::Vllm => vllm_chunk(value),
+        UpstreamKind::Openai => openai_chunk(value),
     }
 }
 
@@ -246,7 +320,7 @@ fn llama_chunk(value: Value) -> Result<Chunk, UpstreamError> {
         generated: c.tokens_predicted,
         evaluated: c.tokens_evaluated,
         end,
-        done: false,
+        ..Chunk::default()
     })
 }
 
@@ -289,10 +363,111 @@ fn vllm_chunk(value: Value) -> Result<Chunk, UpstreamError> {
         tokens,
         text: choice.text,
         logprobs,
-        generated: None,
-        evaluated: None,
         end,
-        done: false,
+        ..Chunk::default()
+    })
+}
+
+#[derive(Deserialize)]
+struct OpenaiChunk {
+    #[serde(default)]
+    choices: Vec<OpenaiChoice>,
+    #[serde(default)]
+    usage: Option<OpenaiUsage>,
+}
+
+#[derive(Deserialize)]
+struct OpenaiChoice {
+    /// Completions.
+    #[serde(default)]
+    text: Option<String>,
+    /// Chat completions.
+    #[serde(default)]
+    delta: Option<OpenaiDelta>,
+    #[serde(default)]
+    logprobs: Option<Value>,
+    #[serde(default)]
+    finish_reason: Option<String>,
+    /// vLLM's name for the stop string or token that matched.
+    #[serde(default)]
+    stop_reason: Option<Value>,
+    /// SGLang's.
+    #[serde(default)]
+    matched_stop: Option<Value>,
+}
+
+#[derive(Deserialize)]
+struct OpenaiDelta {
+    #[serde(default)]
+    content: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct OpenaiUsage {
+    #[serde(default)]
+    prompt_tokens: u32,
+    #[serde(default)]
+    completion_tokens: u32,
+}
+
+fn openai_chunk(value: Value) -> Result<Chunk, UpstreamError> {
+    let c: OpenaiChunk = serde_json::from_value(value)
+        .map_err(|e| UpstreamError::Malformed(format!("an OpenAI stream chunk: {e}")))?;
+    let usage = c.usage.map(|u| (u.prompt_tokens, u.completion_tokens));
+    // A usage-only chunk (include_usage) has no choices.
+    let Some(choice) = c.choices.into_iter().next() else {
+        return Ok(Chunk {
+            usage,
+            ..Chunk::default()
+        });
+    };
+    let text = match (choice.text, choice.delta) {
+        (Some(text), _) => text,
+        (None, Some(delta)) => delta.content.unwrap_or_default(),
+        (None, None) => String::new(),
+    };
+    // Completions list `token_logprobs`, chats `content[].logprob`.
+    let logprobs: Vec<f32> = match &choice.logprobs {
+        Some(l) => match (l.get("token_logprobs"), l.get("content")) {
+            (Some(Value::Array(lps)), _) => lps.iter().filter_map(Value::as_f64).collect(),
+            (_, Some(Value::Array(entries))) => entries
+                .iter()
+                .filter_map(|e| e.get("logprob").and_then(Value::as_f64))
+                .collect(),
+            _ => Vec::new(),
+        }
+        .into_iter()
+        .map(|lp| lp as f32)
+        .collect(),
+        None => Vec::new(),
+    };
+    let untokenized = if !logprobs.is_empty() {
+        logprobs.len()
+    } else {
+        usize::from(!text.is_empty())
+    };
+    let end = match choice.finish_reason.as_deref() {
+        None => None,
+        Some("length") => Some(End::Length),
+        Some("stop") => match choice.stop_reason.or(choice.matched_stop) {
+            Some(Value::String(s)) => Some(End::Stop(s)),
+            // The id of a stop token: the end of turn.
+            Some(Value::Number(_)) => Some(End::Eos),
+            _ => Some(End::StopOrEos),
+        },
+        Some(other) => {
+            return Err(UpstreamError::Failed(format!(
+                "the sequence ended as {other:?}"
+            )))
+        }
+    };
+    Ok(Chunk {
+        text,
+        logprobs,
+        untokenized,
+        usage,
+        end,
+        ..Chunk::default()
     })
 }
 
@@ -315,7 +490,7 @@ mod tests {
             seed: Some(7),
         };
         let ask = CompletionAsk {
-            prompt_text: None,
+            prompt: None,
             context: &[1, 2, 3],
             max_new_tokens: 5,
             sampling: &sampling,
@@ -349,15 +524,16 @@ mod tests {
         };
         let (_, body) = completion_request(UpstreamKind::LlamaServer, "m", &drawn);
         assert_eq!(body["top_k"], 40);
+        let hi = EnginePrompt::Text("Hi".into());
         let text = CompletionAsk {
-            prompt_text: Some("Hi"),
+            prompt: Some(&hi),
             context: &[],
             ..ask.clone()
         };
         let (_, body) = completion_request(UpstreamKind::LlamaServer, "m", &text);
         assert_eq!(body["prompt"], json!("Hi"));
         let continued = CompletionAsk {
-            prompt_text: Some("Hi"),
+            prompt: Some(&hi),
             ..ask.clone()
         };
         let (_, body) = completion_request(UpstreamKind::LlamaServer, "m", &continued);
@@ -443,6 +619,142 @@ mod tests {
         assert!(parse_event(k, "[DONE]").unwrap().done);
         assert!(matches!(
             parse_event(k, r#"{"choices":[{"text":"x"}]}"#),
+            Err(UpstreamError::Malformed(_))
+        ));
+    }
+
+    #[test]
+    fn openai_requests_send_text_or_messages_and_only_the_asked_extensions() {
+        let greedy = SamplingParams {
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 40,
+            repetition_penalty: 1.0,
+            seed: None,
+        };
+        let hi = EnginePrompt::Text("Hi".into());
+        let ask = CompletionAsk {
+            prompt: Some(&hi),
+            context: &[],
+            max_new_tokens: 5,
+            sampling: &greedy,
+            stop: &[],
+            logprobs: false,
+            cache_prompt: true,
+        };
+        let (path, body) = completion_request(UpstreamKind::Openai, "m", &ask);
+        assert_eq!(path, "/v1/completions");
+        assert_eq!(
+            body,
+            json!({"model": "m", "prompt": "Hi", "max_tokens": 5, "stream": true,
+                   "stream_options": {"include_usage": true}, "temperature": 0.0, "top_p": 1.0})
+        );
+        let chat = EnginePrompt::Chat(vec![("user".into(), "Hello".into())]);
+        let sampled = SamplingParams {
+            temperature: 0.5,
+            repetition_penalty: 1.1,
+            seed: Some(3),
+            ..greedy.clone()
+        };
+        let stop = ["\n".to_string()];
+        let asked = CompletionAsk {
+            prompt: Some(&chat),
+            sampling: &sampled,
+            stop: &stop,
+            logprobs: true,
+            ..ask.clone()
+        };
+        let (path, body) = completion_request(UpstreamKind::Openai, "m", &asked);
+        assert_eq!(path, "/v1/chat/completions");
+        assert_eq!(
+            body["messages"],
+            json!([{"role": "user", "content": "Hello"}])
+        );
+        assert_eq!(body["top_k"], 40);
+        assert_eq!(body["seed"], 3);
+        assert_eq!(body["stop"], json!(["\n"]));
+        assert_eq!(body["logprobs"], true);
+        let uncached = CompletionAsk {
+            cache_prompt: false,
+            ..ask.clone()
+        };
+        let (_, body_uncached) = completion_request(UpstreamKind::Openai, "m", &uncached);
+        assert_eq!(body_uncached["cache_prompt"], false);
+        assert!((body["repetition_penalty"].as_f64().unwrap() - 1.1).abs() < 1e-6);
+    }
+
+    #[test]
+    fn openai_chunks_count_tokens_without_ids_and_carry_usage() {
+        let k = UpstreamKind::Openai;
+        let c = parse_event(
+            k,
+            r#"{"choices":[{"index":0,"text":" Par","finish_reason":null}]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            (c.text.as_str(), c.untokenized, c.tokens.len()),
+            (" Par", 1, 0)
+        );
+        let c = parse_event(
+            k,
+            r#"{"choices":[{"text":"is","logprobs":{"tokens":["i","s"],"token_logprobs":[-0.5,-0.25]}}]}"#,
+        )
+        .unwrap();
+        assert_eq!((c.untokenized, c.logprobs), (2, vec![-0.5, -0.25]));
+        let c = parse_event(
+            k,
+            r#"{"choices":[{"delta":{"content":"Hi"},"logprobs":{"content":[{"token":"Hi","logprob":-1.0}]}}]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            (c.text.as_str(), c.untokenized, c.logprobs),
+            ("Hi", 1, vec![-1.0])
+        );
+        let role = parse_event(
+            k,
+            r#"{"choices":[{"delta":{"role":"assistant","content":null}}]}"#,
+        )
+        .unwrap();
+        assert_eq!((role.untokenized, role.end), (0, None));
+        let end = |t: &str| parse_event(k, t).unwrap().end;
+        assert_eq!(
+            end(r#"{"choices":[{"text":"","finish_reason":"length"}]}"#),
+            Some(End::Length)
+        );
+        assert_eq!(
+            end(r#"{"choices":[{"text":"","finish_reason":"stop"}]}"#),
+            Some(End::StopOrEos)
+        );
+        assert_eq!(
+            end(r#"{"choices":[{"text":"","finish_reason":"stop","stop_reason":"."}]}"#),
+            Some(End::Stop(".".into()))
+        );
+        assert_eq!(
+            end(r#"{"choices":[{"delta":{},"finish_reason":"stop","matched_stop":2}]}"#),
+            Some(End::Eos)
+        );
+        let u = parse_event(
+            k,
+            r#"{"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":4}}"#,
+        )
+        .unwrap();
+        assert_eq!((u.usage, u.untokenized), (Some((9, 4)), 0));
+        // llama-server sends the usage with the finish.
+        let both = parse_event(
+            k,
+            r#"{"choices":[{"delta":{},"finish_reason":"length"}],"usage":{"prompt_tokens":9,"completion_tokens":4}}"#,
+        )
+        .unwrap();
+        assert_eq!((both.end, both.usage), (Some(End::Length), Some((9, 4))));
+        assert!(matches!(
+            parse_event(
+                k,
+                r#"{"choices":[{"text":"x","finish_reason":"content_filter"}]}"#
+            ),
+            Err(UpstreamError::Failed(_))
+        ));
+        assert!(matches!(
+            parse_event(k, r#"{"choices":"x"}"#),
             Err(UpstreamError::Malformed(_))
         ));
     }

@@ -85,6 +85,12 @@ struct Progress {
     pending_text: String,
     /// The engine's count of the prompt's tokens was relayed.
     prompt_counted: bool,
+    /// The engine's count of completion tokens (OpenAI's usage), which the
+    /// finish reports where it came.
+    engine_completion: Option<usize>,
+    /// How the sequence ended, while the usage that follows is awaited (a
+    /// generic OpenAI-compatible server sends it after the finish).
+    ended: Option<(Finish, Option<String>)>,
 }
 
 impl Forward {
@@ -104,6 +110,8 @@ impl Forward {
             first_token: None,
             pending_text: String::new(),
             prompt_counted: false,
+            engine_completion: None,
+            ended: None,
         };
         let outcome = loop {
             let frame = tokio::select! {
@@ -115,10 +123,15 @@ impl Forward {
                 _ = &mut self.abort => break Ok(Some((Finish::Cancelled, None))),
             };
             let data = match frame {
+                // A finish already read ends the sequence even without the
+                // usage and `[DONE]` that should have followed it.
                 None => {
-                    break Err(UpstreamError::Unfinished {
-                        tokens: progress.tokens,
-                    })
+                    break match progress.ended.take() {
+                        Some(end) => Ok(Some(end)),
+                        None => Err(UpstreamError::Unfinished {
+                            tokens: progress.tokens,
+                        }),
+                    }
                 }
                 Some(Err(e)) => {
                     break Err(UpstreamError::Broken {
@@ -148,7 +161,9 @@ impl Forward {
                     reason,
                     stop,
                     tail: std::mem::take(&mut progress.pending_text),
-                    completion_tokens: (req.already_emitted + progress.tokens) as u32,
+                    completion_tokens: (req.already_emitted
+                        + progress.engine_completion.unwrap_or(progress.tokens))
+                        as u32,
                     first_token: progress.first_token,
                     total: req.enqueued.elapsed(),
                 });
@@ -176,21 +191,51 @@ impl Forward {
         for data in events {
             let chunk = parse_event(self.kind, data)?;
             if chunk.done {
-                return Err(UpstreamError::Unfinished {
-                    tokens: progress.tokens,
-                });
+                return match progress.ended.take() {
+                    Some(end) => Ok(Some(end)),
+                    None => Err(UpstreamError::Unfinished {
+                        tokens: progress.tokens,
+                    }),
+                };
+            }
+            if let Some((prompt, completion)) = chunk.usage {
+                self.count_prompt(prompt as usize, req, progress);
+                progress.engine_completion = Some(completion as usize);
+            }
+            if progress.ended.is_some() {
+                // Only the usage and `[DONE]` follow a finish.
+                continue;
             }
             let end = chunk.end.clone();
             self.chunk(chunk, req, progress, arrived);
             if let Some(end) = end {
-                return Ok(Some(match end {
+                let end = match end {
                     End::Eos => (Finish::Eos, None),
                     End::Length => (Finish::Length, None),
                     End::Stop(s) => (Finish::Stop, Some(s)),
-                }));
+                    End::StopOrEos if req.stop.is_empty() => (Finish::Eos, None),
+                    End::StopOrEos => (Finish::Stop, Some(String::new())),
+                };
+                if self.kind == UpstreamKind::Openai && progress.engine_completion.is_none() {
+                    // Its usage comes after the finish: wait for it.
+                    progress.ended = Some(end);
+                    continue;
+                }
+                return Ok(Some(end));
             }
         }
         Ok(None)
+    }
+
+    /// Relays the engine's count of the prompt's tokens, once.
+    fn count_prompt(&self, evaluated: usize, req: &SequenceRequest, progress: &mut Progress) {
+        if !self.counts_prompt || progress.prompt_counted {
+            return;
+        }
+        // llama-server's count covers a continuation's ids too.
+        let tokens = evaluated.saturating_sub(req.already_emitted) as u32;
+        let _ = req.events.send(Event::PromptCounted { tokens });
+        progress.prompt_counted = true;
     }
 
     /// Sends a chunk's tokens, its text with the last of them.
@@ -207,17 +252,32 @@ impl Forward {
             logprobs,
             generated,
             evaluated,
+            untokenized,
             ..
         } = chunk;
-        if let Some(evaluated) =
-            evaluated.filter(|_| self.counts_prompt && !progress.prompt_counted)
-        {
-            // llama-server's count covers a continuation's ids too.
-            let tokens = evaluated.saturating_sub(req.already_emitted) as u32;
-            let _ = req.events.send(Event::PromptCounted { tokens });
-            progress.prompt_counted = true;
+        if let Some(evaluated) = evaluated {
+            self.count_prompt(evaluated, req, progress);
         }
         progress.pending_text.push_str(&text);
+        if untokenized > 0 {
+            // Tokens without ids (a generic OpenAI-compatible server).
+            if progress.first_token.is_none() {
+                progress.first_token = Some(req.enqueued.elapsed());
+            }
+            progress.tokens += untokenized;
+            self.stats
+                .tokens_generated
+                .fetch_add(untokenized as u64, Ordering::Relaxed);
+            let _ = req.events.send(Event::Text {
+                text: std::mem::take(&mut progress.pending_text),
+                tokens: untokenized as u32,
+                logprobs: if req.logprobs { logprobs } else { Vec::new() },
+            });
+            if progress.tokens == untokenized {
+                self.timing.record(req, arrived, &self.labels);
+            }
+            return;
+        }
         let out: Vec<u32> = tokens
             .iter()
             .copied()

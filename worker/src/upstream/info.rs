@@ -1,7 +1,8 @@
 //! What the worker learns from the engine once, at start: the model it
 //! serves, its context window and vocabulary, and its end-of-generation
 //! tokens; and the engine's own prompt rendering and tokenization, so that
-//! the token ids the mesh sees are the engine's.
+//! the token ids the mesh sees are the engine's (a generic OpenAI-compatible
+//! server shows none: it renders and tokenizes inside its completions).
 use super::error::UpstreamError;
 use super::http::EngineHttp;
 use super::UpstreamKind;
@@ -23,8 +24,14 @@ pub struct EngineInfo {
     pub eog: Vec<u32>,
 }
 
-/// Asks the engine about its model.
-pub async fn discover(http: &EngineHttp, kind: UpstreamKind) -> Result<EngineInfo, UpstreamError> {
+/// Asks the engine about its model; `context_length`, where set, is the
+/// context window to use instead of the one it reports (a generic
+/// OpenAI-compatible server may report none).
+pub async fn discover(
+    http: &EngineHttp,
+    kind: UpstreamKind,
+    context_length: Option<usize>,
+) -> Result<EngineInfo, UpstreamError> {
     let models = http.get_json("/v1/models").await?;
     let first = models
         .pointer("/data/0")
@@ -34,29 +41,46 @@ pub async fn discover(http: &EngineHttp, kind: UpstreamKind) -> Result<EngineInf
         .and_then(Value::as_str)
         .ok_or_else(|| UpstreamError::Malformed("/v1/models: a model without an id".into()))?
         .to_string();
-    match kind {
+    let mut info = match kind {
         UpstreamKind::LlamaServer => {
             let props = http.get_json("/props").await?;
-            let context_length = number(&props, "/default_generation_settings/n_ctx", "/props")?;
+            let context_length = match context_length {
+                Some(n) => n,
+                None => number(&props, "/default_generation_settings/n_ctx", "/props")?,
+            };
             let vocab_size = number(first, "/meta/n_vocab", "/v1/models")?;
             let eog = match props.get("eos_token").and_then(Value::as_str) {
                 Some(eos) if !eos.is_empty() => llama_tokenize(http, eos, false).await?,
                 _ => Vec::new(),
             };
-            Ok(EngineInfo {
+            EngineInfo {
                 model,
                 context_length,
                 vocab_size,
                 eog,
-            })
+            }
         }
-        UpstreamKind::Vllm => Ok(EngineInfo {
-            context_length: number(first, "/max_model_len", "/v1/models")?,
-            model,
-            vocab_size: u32::MAX as usize,
-            eog: Vec::new(),
-        }),
-    }
+        UpstreamKind::Vllm | UpstreamKind::Openai => {
+            let context_length = match context_length {
+                Some(n) => n,
+                // vLLM and SGLang say `max_model_len`; other servers may
+                // say nothing, and then the flag must.
+                None => number(first, "/max_model_len", "/v1/models").map_err(|_| {
+                    UpstreamError::Malformed(format!(
+                        "/v1/models gives no max_model_len for {model}: set --upstream-context-length"
+                    ))
+                })?,
+            };
+            EngineInfo {
+                context_length,
+                model,
+                vocab_size: u32::MAX as usize,
+                eog: Vec::new(),
+            }
+        }
+    };
+    info.context_length = info.context_length.max(1);
+    Ok(info)
 }
 
 /// A positive integer at `pointer` of `value`, which came from `path`.
@@ -69,13 +93,24 @@ fn number(value: &Value, pointer: &str, path: &str) -> Result<usize, UpstreamErr
         .ok_or_else(|| UpstreamError::Malformed(format!("{path}: no positive number at {pointer}")))
 }
 
+/// A prompt the engine reads itself, as part of the completion: no round
+/// trip to its tokenizer first, and no token ids of the prompt seen.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum EnginePrompt {
+    /// Rendered text the engine tokenizes (llama-server, whose `/completion`
+    /// also takes text followed by the ids of a continuation; a prompt to
+    /// an OpenAI-compatible server's `/v1/completions`).
+    Text(String),
+    /// Chat messages, as (role, content), that the engine renders with its
+    /// own template (an OpenAI-compatible server's `/v1/chat/completions`).
+    Chat(Vec<(String, String)>),
+}
+
 /// A request's prompt as an engine takes it.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Prompt {
-    /// Text the engine tokenizes itself as part of the completion
-    /// (llama-server, whose `/completion` also takes text followed by the
-    /// ids of a continuation): no round trip to its tokenizer first.
-    Text(String),
+    /// Read by the engine as part of the completion.
+    Engine(EnginePrompt),
     /// Token ids from the engine's tokenizer (vLLM, whose completions take
     /// either text or ids, not both, so a continuation needs the prompt's).
     Tokens(Vec<u32>),
@@ -83,37 +118,49 @@ pub enum Prompt {
 
 /// The prompt or chat messages of `g`, rendered by the engine's chat
 /// template (llama-server's `/apply-template`, vLLM's `/tokenize`), as
-/// `kind` takes it in a completion.
+/// `kind` takes it in a completion; a generic OpenAI-compatible server
+/// gets them as they came.
 pub async fn encode_prompt(
     http: &EngineHttp,
     kind: UpstreamKind,
     model: &str,
     g: &GenerateRequest,
 ) -> Result<Prompt, UpstreamError> {
-    let messages: Vec<Value> = g
-        .messages
-        .iter()
-        .map(|m| json!({"role": m.role, "content": m.content}))
-        .collect();
+    let messages = || -> Vec<Value> {
+        g.messages
+            .iter()
+            .map(|m| json!({"role": m.role, "content": m.content}))
+            .collect()
+    };
     match kind {
+        UpstreamKind::Openai => Ok(Prompt::Engine(if g.messages.is_empty() {
+            EnginePrompt::Text(g.prompt.clone())
+        } else {
+            EnginePrompt::Chat(
+                g.messages
+                    .iter()
+                    .map(|m| (m.role.clone(), m.content.clone()))
+                    .collect(),
+            )
+        })),
         UpstreamKind::LlamaServer => {
-            if messages.is_empty() {
-                return Ok(Prompt::Text(g.prompt.clone()));
+            if g.messages.is_empty() {
+                return Ok(Prompt::Engine(EnginePrompt::Text(g.prompt.clone())));
             }
             let rendered = http
-                .post_json("/apply-template", &json!({ "messages": messages }))
+                .post_json("/apply-template", &json!({ "messages": messages() }))
                 .await?;
             let text = rendered
                 .get("prompt")
                 .and_then(Value::as_str)
                 .ok_or_else(|| UpstreamError::Malformed("/apply-template: no prompt".into()))?;
-            Ok(Prompt::Text(text.to_string()))
+            Ok(Prompt::Engine(EnginePrompt::Text(text.to_string())))
         }
         UpstreamKind::Vllm => {
-            let body = if messages.is_empty() {
+            let body = if g.messages.is_empty() {
                 json!({"model": model, "prompt": g.prompt, "add_special_tokens": true})
             } else {
-                json!({"model": model, "messages": messages, "add_generation_prompt": true})
+                json!({"model": model, "messages": messages(), "add_generation_prompt": true})
             };
             token_list(&http.post_json("/tokenize", &body).await?, "/tokenize").map(Prompt::Tokens)
         }

@@ -45,6 +45,19 @@ fn metric_names(kind: UpstreamKind) -> (&'static [&'static str], &'static [&'sta
             &["vllm:num_requests_waiting"],
             &["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"],
         ),
+        // Whichever engine it is: vLLM's names, SGLang's, llama-server's.
+        UpstreamKind::Openai => (
+            &[
+                "vllm:num_requests_waiting",
+                "sglang:num_queue_reqs",
+                "llamacpp:requests_deferred",
+            ],
+            &[
+                "vllm:kv_cache_usage_perc",
+                "vllm:gpu_cache_usage_perc",
+                "sglang:token_usage",
+            ],
+        ),
     }
 }
 

@@ -1,5 +1,5 @@
 //! The upstream engine: a worker that fronts an existing engine
-//! (llama-server, vLLM) behind its HTTP API and brings it into the mesh with
+//! (llama-server, vLLM, or any OpenAI-compatible server) behind its HTTP API and brings it into the mesh with
 //! the same Worker API, registration, load reports, drains and failover as
 //! the worker's own engine (`--engine upstream`).
 //!
@@ -19,7 +19,17 @@
 //!   continuations are guaranteed to be what an undisturbed run would give;
 //! - llama-server leaves the id of a token that ends inside a UTF-8
 //!   character out of its stream (its text comes whole with the next
-//!   token); such gaps are counted in `tokenmesh_worker_upstream_gaps_total`.
+//!   token); such gaps are counted in `tokenmesh_worker_upstream_gaps_total`;
+//! - a generic OpenAI-compatible server (`--upstream-kind openai`: SGLang,
+//!   TensorRT-LLM's trtllm-serve, TGI, ...) renders and tokenizes itself and
+//!   streams text without token ids: its Deltas carry text and a token
+//!   count, the worker registers `continues_from_token_ids: false` (a
+//!   stream it served that breaks mid-way ends UNAVAILABLE at the router
+//!   instead of being guessed at elsewhere) and refuses continuations;
+//!   its `finish_reason: stop` is STOP with the matched string where the
+//!   server names it (vLLM's `stop_reason`, SGLang's `matched_stop`), else
+//!   EOS when the request had no stop strings and STOP with an empty
+//!   string when it had some.
 mod dialect;
 mod error;
 mod forward;
@@ -31,7 +41,7 @@ mod sse;
 
 pub use error::UpstreamError;
 pub use http::BadUrl;
-pub use info::{EngineInfo, Prompt};
+pub use info::{EngineInfo, EnginePrompt, Prompt};
 
 use crate::errors::WorkerError;
 use crate::request::Limits;
@@ -64,9 +74,21 @@ pub struct UpstreamArgs {
 
     /// Upstream engine only: the accelerator it runs on, as registered
     /// (`cpu`, `cuda`, `npu`; default `cpu` for llama-server, `cuda` for
-    /// vLLM).
+    /// vLLM and openai).
     #[arg(long, env = "TOKENMESH_UPSTREAM_ACCELERATOR", value_name = "KIND")]
     pub upstream_accelerator: Option<String>,
+
+    /// Upstream engine only: the context window (prompt and completion
+    /// tokens) of one sequence, instead of the one the engine reports
+    /// (llama-server's slot n_ctx, vLLM's max_model_len); required for an
+    /// openai-kind server whose /v1/models gives no max_model_len.
+    #[arg(
+        long,
+        env = "TOKENMESH_UPSTREAM_CONTEXT_LENGTH",
+        value_name = "TOKENS",
+        value_parser = clap::value_parser!(u32).range(2..)
+    )]
+    pub upstream_context_length: Option<u32>,
 
     /// Upstream engine only: how often its /health and /metrics are polled,
     /// in milliseconds.
@@ -91,8 +113,10 @@ pub struct UpstreamArgs {
     /// Upstream llama-server only: whether each completion asks it to reuse
     /// a slot's cached prompt prefix (`cache_prompt`). `false` makes every
     /// request prefill its whole prompt, e.g. to compare like for like with
-    /// clients that send `cache_prompt: false`. vLLM's prefix caching is a
-    /// server flag (`--enable-prefix-caching`) and ignores this.
+    /// clients that send `cache_prompt: false`; the openai kind then sends
+    /// `cache_prompt: false` too (llama-server's extension of the API).
+    /// vLLM's prefix caching is a server flag (`--enable-prefix-caching`)
+    /// and ignores this.
     #[arg(
         long,
         env = "TOKENMESH_UPSTREAM_PROMPT_CACHE",
@@ -110,6 +134,10 @@ pub enum UpstreamKind {
     LlamaServer,
     /// vLLM's OpenAI-compatible server (/v1/completions, /tokenize).
     Vllm,
+    /// Any OpenAI-compatible server (/v1/completions for prompts,
+    /// /v1/chat/completions for chats, /health, /v1/models): text only,
+    /// without token ids, so its streams cannot fail over mid-way.
+    Openai,
 }
 
 impl UpstreamKind {
@@ -118,14 +146,21 @@ impl UpstreamKind {
         match self {
             Self::LlamaServer => "llama-server",
             Self::Vllm => "vllm",
+            Self::Openai => "openai",
         }
+    }
+
+    /// Whether a continuation's emitted tokens can go to the engine as ids
+    /// (what the registration's `continues_from_token_ids` says).
+    pub fn continues_from_token_ids(self) -> bool {
+        self != Self::Openai
     }
 
     /// The accelerator registered when the flag leaves it unset.
     pub fn default_accelerator(self) -> &'static str {
         match self {
             Self::LlamaServer => "cpu",
-            Self::Vllm => "cuda",
+            Self::Vllm | Self::Openai => "cuda",
         }
     }
 }
@@ -170,6 +205,8 @@ pub struct Setup {
     pub poll: Duration,
     /// llama-server's `cache_prompt` (--upstream-prompt-cache).
     pub prompt_cache: bool,
+    /// --upstream-context-length.
+    pub context_length: Option<usize>,
 }
 
 impl Setup {
@@ -191,6 +228,7 @@ impl Setup {
             accelerator,
             poll: Duration::from_millis(args.upstream_poll_ms),
             prompt_cache: args.upstream_prompt_cache,
+            context_length: args.upstream_context_length.map(|n| n as usize),
         })
     }
 
@@ -205,7 +243,7 @@ impl Setup {
         let mut backoff = tokenmesh_runtime::Backoff::RECONNECT.retries();
         let (_never, mut stop) = watch::channel(false);
         loop {
-            match info::discover(&self.http, self.kind).await {
+            match info::discover(&self.http, self.kind, self.context_length).await {
                 Ok(info) => return info,
                 Err(e) => {
                     tracing::warn!(url = %self.http.base(), error = %e, "upstream engine not answering yet; retrying");
@@ -254,6 +292,16 @@ impl UpstreamEngine {
         &self.info
     }
 
+    /// The API the engine speaks.
+    pub fn kind(&self) -> UpstreamKind {
+        self.kind
+    }
+
+    /// Whether a continuation's emitted tokens can go to the engine.
+    pub fn continues_from_token_ids(&self) -> bool {
+        self.kind.continues_from_token_ids()
+    }
+
     /// Live counters.
     pub fn stats(&self) -> &Arc<EngineStats> {
         &self.stats
@@ -282,14 +330,14 @@ impl UpstreamEngine {
     /// Waits for a slot (refusing at once when the queue is full), opens the
     /// engine's stream and relays it to `req.events` from a task of its own.
     /// `prepare` is how long preparing the request waited on the engine;
-    /// `prompt_text`, the prompt when the engine tokenizes it (`req.context`
+    /// `prompt`, the prompt when the engine reads it itself (`req.context`
     /// then holds only a continuation's emitted tokens).
     pub async fn submit(
         &self,
         req: SequenceRequest,
         deadline: Option<tokio::time::Instant>,
         prepare: Duration,
-        prompt_text: Option<String>,
+        prompt: Option<EnginePrompt>,
     ) -> Result<(), WorkerError> {
         if self.stats.draining.load(Ordering::SeqCst) {
             return Err(SubmitError::Draining.into());
@@ -322,7 +370,7 @@ impl UpstreamEngine {
             queued: req.enqueued.elapsed(),
         });
         let ask = dialect::CompletionAsk {
-            prompt_text: prompt_text.as_deref(),
+            prompt: prompt.as_ref(),
             context: &req.context,
             max_new_tokens: req.max_tokens.saturating_sub(req.already_emitted),
             sampling: &req.sampling,
@@ -356,7 +404,7 @@ impl UpstreamEngine {
             labels: self.labels.clone(),
             abort: abort_rx,
             timing: forward::FirstToken { prepare, asked },
-            counts_prompt: prompt_text.is_some(),
+            counts_prompt: prompt.is_some(),
         };
         let aborts = self.aborts.clone();
         let span = req.span.clone();

@@ -70,6 +70,10 @@ fn a_delta_is_rewritten_to_the_bytes_prost_writes_for_every_seq() {
         for worker_seq in SEQS {
             let got = fast(encoded(worker_seq, Some(Event::Delta(d.clone()))));
             assert_eq!(got.token_count(), d.token_ids.len());
+            assert_eq!(
+                got.completion_tokens(),
+                d.usage.map(|u| u.completion_tokens)
+            );
             assert_eq!(got.token_ids().collect::<Vec<_>>(), d.token_ids);
             assert_eq!(got.decode().unwrap(), d);
             for seq in SEQS {
@@ -221,6 +225,10 @@ fn same_as_prost(msg: Vec<u8>) {
                     assert_eq!(
                         d.token_ids().collect::<Vec<_>>(),
                         d.decode().unwrap().token_ids
+                    );
+                    assert_eq!(
+                        d.completion_tokens(),
+                        d.decode().unwrap().usage.map(|u| u.completion_tokens)
                     );
                     let out = rewritten(&d, m.seq);
                     assert_eq!(GenerateResponse::decode(&out[..]).unwrap(), m);
