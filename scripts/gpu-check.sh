@@ -4,8 +4,8 @@
 # GPU, then the worker measured directly with the load generator at 1, 4, 16
 # and 32 streams, on the GPU and (CPU_COMPARE=1, the default) on the same
 # machine's CPU cores with the same binary, for a side-by-side ratio; and,
-# where vLLM is installed, an upstream worker (--engine upstream) in front of
-# vLLM measured the same way.
+# where vLLM is installed, upstream workers (--engine upstream, of the vllm
+# and of the openai kind) in front of vLLM measured the same way.
 #
 #   scripts/gpu-check.sh [cuda:N]
 #       A GPU machine with the Rust toolchain and the CUDA toolkit (nvcc):
@@ -162,23 +162,26 @@ if python3 -c 'import vllm' 2>/dev/null; then
     --served-model-name upstream-model --max-model-len 4096 >>"$LOG" 2>&1 &
   vllm_pid=$!
   step vllm-health bash -c "for _ in \$(seq 600); do curl -fs http://127.0.0.1:$VLLM_PORT/health >/dev/null && exit 0; kill -0 $vllm_pid || exit 1; sleep 1; done; exit 1"
-  if [ $? -eq 0 ]; then
-    wlog=$OUT/worker-upstream.log
+  # Both kinds in front of the same vLLM: vllm (token ids, failover) and
+  # openai (the generic API: text only, as for SGLang or trtllm-serve).
+  if [ $? -eq 0 ]; then for kind in vllm openai; do
+    name=upstream; [ $kind = openai ] && name=upstream-openai
+    wlog=$OUT/worker-$name.log
     "$BIN/tokenmesh-worker" --insecure --listen "127.0.0.1:$PORT" --engine upstream \
-      --upstream-kind vllm --upstream-url "http://127.0.0.1:$VLLM_PORT" --max-batch 32 \
-      --worker-id upstream --model-name smollm2-135m-instruct >"$wlog" 2>&1 &
+      --upstream-kind $kind --upstream-url "http://127.0.0.1:$VLLM_PORT" --max-batch 32 \
+      --worker-id $name --model-name smollm2-135m-instruct >"$wlog" 2>&1 &
     wpid=$!
     for _ in $(seq 300); do grep -q "ready" "$wlog" && break; sleep 0.2; done
-    step status-upstream python3 scripts/worker_status.py "127.0.0.1:$PORT"
+    step "status-$name" python3 scripts/worker_status.py "127.0.0.1:$PORT"
     tail -1 "$LOG" >>"$SUMMARY"
     for c in $STREAMS; do
-      step "bench-upstream-c$c" bash -c "set -o pipefail; timeout 90 '$BIN/meshctl' bench --target 127.0.0.1:$PORT --direct \
+      step "bench-$name-c$c" bash -c "set -o pipefail; timeout 90 '$BIN/meshctl' bench --target 127.0.0.1:$PORT --direct \
         --model smollm2-135m-instruct --concurrency $c --max-tokens $MAX_TOKENS --prompt-words 32 --temperature 0 \
-        --duration $DURATION --warmup 2 --no-progress --output json | tee -a '$OUT/bench-upstream.jsonl'"
+        --duration $DURATION --warmup 2 --no-progress --output json | tee -a '$OUT/bench-$name.jsonl'"
     done
     kill $wpid 2>/dev/null
     wait $wpid 2>/dev/null
-  fi
+  done; fi
   kill $vllm_pid 2>/dev/null
   wait $vllm_pid 2>/dev/null
 else

@@ -6,6 +6,7 @@
 
 pub mod codes;
 pub mod deadline;
+pub mod delta;
 pub mod keys;
 pub mod records;
 pub mod validate;

@@ -265,11 +265,12 @@ async fn conversation(
         let timeout = Duration::from_secs_f64(args.request_timeout);
         let outcome = tokio::time::timeout(timeout, async {
             let mut stream = client.generate(req).await?.into_inner();
+            let mut count = tokenmesh_proto::delta::TokenCount::default();
             while let Some(msg) = stream.message().await? {
                 match msg.event {
                     Some(Event::Accepted(a)) => sample.worker = a.worker_id,
                     Some(Event::Delta(d)) => {
-                        if sample.ttft.is_none() && !d.token_ids.is_empty() {
+                        if count.add(&d) > 0 && sample.ttft.is_none() {
                             sample.ttft = Some(t0.elapsed() - sample.start);
                         }
                         reply.push_str(&d.text);

@@ -241,12 +241,15 @@ impl Shared {
         }
         let outcome = tokio::time::timeout_at(self.hard_end, async {
             let mut stream = self.target.generate(req).await?;
+            let mut count = tokenmesh_proto::delta::TokenCount::default();
             while let Some(msg) = stream.message().await? {
                 match msg.event {
-                    Some(Event::Delta(d)) if !d.token_ids.is_empty() => {
-                        let n = d.token_ids.len() as u32;
-                        self.tokens.fetch_add(n as u64, Ordering::Relaxed);
-                        tokens.push((self.t0.elapsed(), n));
+                    Some(Event::Delta(d)) => {
+                        let n = count.add(&d);
+                        if n > 0 {
+                            self.tokens.fetch_add(n as u64, Ordering::Relaxed);
+                            tokens.push((self.t0.elapsed(), n));
+                        }
                     }
                     Some(Event::Finished(_)) => return Ok(true),
                     _ => {}

@@ -1,0 +1,71 @@
+//! How many completion tokens a `Delta` delivers, read alike by every
+//! client of the wire (the router's own codec reads encoded deltas the same
+//! way).
+use crate::v1::Delta;
+
+/// Counts the completion tokens of one stream's deltas as they arrive.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct TokenCount {
+    /// The last cumulative `usage.completion_tokens` seen.
+    completion: u32,
+}
+
+impl TokenCount {
+    /// The tokens `d` delivers: its token ids, or, from a worker whose
+    /// engine sends none (an OpenAI-compatible upstream), the advance of its
+    /// cumulative usage.
+    pub fn add(&mut self, d: &Delta) -> u32 {
+        let ids = d.token_ids.len() as u32;
+        let counted = match d.usage {
+            Some(u) if ids == 0 => u.completion_tokens.saturating_sub(self.completion),
+            _ => ids,
+        };
+        if let Some(u) = d.usage {
+            self.completion = u.completion_tokens;
+        }
+        counted
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::v1::Usage;
+
+    fn delta(ids: &[u32], completion: Option<u32>) -> Delta {
+        Delta {
+            token_ids: ids.to_vec(),
+            usage: completion.map(|completion_tokens| Usage {
+                prompt_tokens: 3,
+                completion_tokens,
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn ids_count_where_sent_and_the_usage_where_not() {
+        let mut with_ids = TokenCount::default();
+        let counts: Vec<u32> = [
+            delta(&[5], Some(1)),
+            delta(&[6, 7], Some(3)),
+            // A tail of held-back text: no ids, the usage unchanged.
+            delta(&[], Some(3)),
+        ]
+        .iter()
+        .map(|d| with_ids.add(d))
+        .collect();
+        assert_eq!(counts, [1, 2, 0]);
+        let mut text_only = TokenCount::default();
+        let counts: Vec<u32> = [
+            delta(&[], Some(1)),
+            delta(&[], Some(3)),
+            delta(&[], None),
+            delta(&[], Some(4)),
+        ]
+        .iter()
+        .map(|d| text_only.add(d))
+        .collect();
+        assert_eq!(counts, [1, 2, 0, 1]);
+    }
+}
