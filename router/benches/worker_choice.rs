@@ -4,7 +4,8 @@
 //! prints the p50/p99/p99.9 of single decisions, the figure the issue sets
 //! (under 10 µs p99 at 64 workers, issue 17, and at 1,000, issue 19).
 //!
-//! `cargo bench -p tokenmesh-router --bench worker_choice`
+//! `cargo bench -p tokenmesh-router --bench worker_choice` (only some
+//! fleet sizes: `TOKENMESH_BENCH_WORKERS=1000`)
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use std::hint::black_box;
 use std::sync::atomic::Ordering;
@@ -96,24 +97,41 @@ fn percentiles(
     let requests: Vec<GenerateRequest> = (0..conversations).map(|c| conversation(c, 4)).collect();
     let mut rng = rand::rng();
     let mut times = Vec::with_capacity(50_000);
+    let mut digests = Vec::with_capacity(50_000);
     for i in 0..50_000 {
         let req = &requests[i % requests.len()];
         let t = Instant::now();
         let r = affinity.request(req, "v1", None);
+        let digested = t.elapsed();
         let choice = r.choose(&Candidates::all(eps), false, &mut rng);
         black_box(&choice.worker);
         times.push(t.elapsed());
+        digests.push(digested);
     }
-    times.sort_unstable();
-    let at = |q: f64| times[((times.len() as f64 * q) as usize).min(times.len() - 1)];
+    let at = |v: &mut Vec<Duration>, q: f64| {
+        v.sort_unstable();
+        v[((v.len() as f64 * q) as usize).min(v.len() - 1)]
+    };
     eprintln!(
-        "{label}: digest + choose, {} workers, index {} pairs: p50 {:?} p99 {:?} p99.9 {:?}",
+        "{label}: digest + choose, {} workers, index {} pairs: p50 {:?} p99 {:?} p99.9 {:?} \
+         (the digest alone: p50 {:?} p99 {:?})",
         eps.len(),
         affinity.index_pairs(),
-        at(0.50),
-        at(0.99),
-        at(0.999)
+        at(&mut times, 0.50),
+        at(&mut times, 0.99),
+        at(&mut times, 0.999),
+        at(&mut digests, 0.50),
+        at(&mut digests, 0.99),
     );
+}
+
+/// The fleet sizes to run: `TOKENMESH_BENCH_WORKERS` (comma-separated),
+/// else 10, 64, 100, 1,000 and 10,000.
+fn sizes() -> Vec<usize> {
+    std::env::var("TOKENMESH_BENCH_WORKERS")
+        .ok()
+        .map(|v| v.split(',').filter_map(|n| n.trim().parse().ok()).collect())
+        .unwrap_or_else(|| vec![10, 64, 100, 1_000, 10_000])
 }
 
 fn bench(c: &mut Criterion) {
@@ -122,7 +140,7 @@ fn bench(c: &mut Criterion) {
         .build()
         .expect("a runtime");
     let mut group = c.benchmark_group("worker_choice");
-    for n in [10usize, 64, 100, 1_000, 10_000] {
+    for n in sizes() {
         let (_reg, eps) = workers(&rt, n);
         let aware = Affinity::new(AffinitySettings::default());
         let conversations = warm(&aware, &eps);
