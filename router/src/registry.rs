@@ -24,6 +24,11 @@ pub struct Endpoint {
     /// xxh3 of `id`, hashed once at registration: the cache-aware choice
     /// weighs every candidate of every request by it.
     pub id_hash: u64,
+    /// xxh3 of the id, address and `started_at` of this registration,
+    /// hashed once: the prefix index names a worker's cache by it (with its
+    /// spells of unhealthiness), on every decision, without reading the
+    /// record's strings.
+    pub registration_hash: u64,
     pub model: String,
     pub version: String,
     pub record: WorkerRecord,
@@ -529,6 +534,11 @@ impl Registry {
         let ep = Arc::new(Endpoint {
             id: id.into(),
             id_hash: xxhash_rust::xxh3::xxh3_64(id.as_bytes()),
+            registration_hash: {
+                use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+                let seed = xxh3_64_with_seed(id.as_bytes(), xxh3_64(record.addr.as_bytes()));
+                xxh3_64_with_seed(record.started_at.as_bytes(), seed)
+            },
             model: model.into(),
             version: version.into(),
             record,

@@ -48,7 +48,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 use tokenmesh_proto::v1::GenerateRequest;
 use tokio::time::Instant;
-use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 /// How a worker of the chosen version is picked (`--worker-choice`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, clap::ValueEnum)]
@@ -322,7 +322,16 @@ impl Affinity {
         let worker = if field.eligible == 1 {
             Some(preferred.ep.clone())
         } else if decision.overload.is_some() {
-            p2c::pick_where(c.endpoints, |e| c.eligible(e), rng)
+            // Load wins: P2C among the others, so that a draw of the
+            // preferred worker (tied for the lower load of the two) does
+            // not undo the guard.
+            let preferred_ep = &preferred.ep;
+            p2c::pick_where(
+                c.endpoints,
+                |e| c.eligible(e) && !std::ptr::eq(e, &**preferred_ep),
+                rng,
+            )
+            .or_else(|| Some(preferred_ep.clone()))
         } else {
             Some(preferred.ep.clone())
         };
@@ -511,13 +520,10 @@ pub fn rendezvous_weight(id_hash: u64, key: u64) -> u64 {
 /// may have restarted: a static file's record does not change), is a new
 /// holder; ids multiplexed over one address are separate holders.
 fn holder(ep: &Endpoint) -> Holder {
-    let r = &ep.record;
-    let spells = u64::from(ep.unhealthy_spells.load(Ordering::SeqCst));
-    let seed = xxh3_64(r.addr.as_bytes()) ^ spells.wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    xxh3_64_with_seed(
-        r.started_at.as_bytes(),
-        xxh3_64_with_seed(ep.id.as_bytes(), seed),
-    )
+    // The registration's hash is kept on the endpoint: only its atomics'
+    // cache line is read here, not the record's strings.
+    let spells = ep.unhealthy_spells.load(Ordering::SeqCst);
+    xxh3_64_with_seed(&spells.to_le_bytes(), ep.registration_hash)
 }
 
 #[cfg(test)]
