@@ -398,6 +398,27 @@ async fn the_prompt_cache_flag_is_what_the_engine_is_asked_for() {
     }
 }
 
+/// The worker record registered under `key`, if any.
+async fn registration(etcd: &Etcd, key: &str) -> Option<serde_json::Value> {
+    etcd.get_prefix("/tokenmesh/workers/")
+        .await
+        .into_iter()
+        .find(|(k, _, _)| k == key)
+        .map(|(_, v, _)| serde_json::from_str(&v).unwrap())
+}
+
+/// The worker record under `key`, once it is registered (within 10 s).
+async fn wait_registered(etcd: &Etcd, key: &str) -> serde_json::Value {
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            registration(etcd, key).await.is_some()
+        })
+        .await,
+        "{key} registered"
+    );
+    registration(etcd, key).await.unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_worker_deregisters_while_its_engine_is_away_and_returns_with_it() {
     let dir = tempfile::tempdir().unwrap();
@@ -414,21 +435,8 @@ async fn a_worker_deregisters_while_its_engine_is_away_and_returns_with_it() {
     };
     let _worker = WorkerProc::start(opts, dir.path()).await.unwrap();
     let key = format!("/tokenmesh/workers/{MODEL}/v1/up");
-    let registered = || async {
-        etcd.get_prefix("/tokenmesh/workers/")
-            .await
-            .into_iter()
-            .find(|(k, _, _)| *k == key)
-            .map(|(_, v, _)| serde_json::from_str::<serde_json::Value>(&v).unwrap())
-    };
-    assert!(
-        eventually(Duration::from_secs(10), || async {
-            registered().await.is_some()
-        })
-        .await,
-        "registered"
-    );
-    let record = registered().await.unwrap();
+    let registered = || registration(&etcd, &key);
+    let record = wait_registered(&etcd, &key).await;
     assert_eq!(record["engine"], "llama-server");
     assert_eq!(record["accelerator"], "cpu");
     assert_eq!(record["continues_from_token_ids"], true);
@@ -675,21 +683,7 @@ async fn a_stream_from_an_openai_kind_worker_cut_mid_way_ends_unavailable_not_gu
     .await
     .unwrap();
     let key = format!("/tokenmesh/workers/{MODEL}/v1/up-openai");
-    let registered = || async {
-        etcd.get_prefix("/tokenmesh/workers/")
-            .await
-            .into_iter()
-            .find(|(k, _, _)| *k == key)
-            .map(|(_, v, _)| serde_json::from_str::<serde_json::Value>(&v).unwrap())
-    };
-    assert!(
-        eventually(Duration::from_secs(10), || async {
-            registered().await.is_some()
-        })
-        .await,
-        "the generic worker registers"
-    );
-    let record = registered().await.unwrap();
+    let record = wait_registered(&etcd, &key).await;
     assert_eq!(record["engine"], "openai");
     assert_eq!(record["continues_from_token_ids"], false, "{record}");
 
