@@ -1,6 +1,6 @@
 //! How many completion tokens a `Delta` delivers, read alike by every
-//! client of the wire (the router's own codec reads encoded deltas the same
-//! way).
+//! client of the wire (the router, which reads deltas without decoding
+//! them, through [`TokenCount::add_counts`]).
 use crate::v1::Delta;
 
 /// Counts the completion tokens of one stream's deltas as they arrive.
@@ -8,6 +8,8 @@ use crate::v1::Delta;
 pub struct TokenCount {
     /// The last cumulative `usage.completion_tokens` seen.
     completion: u32,
+    /// Tokens counted so far.
+    total: u64,
 }
 
 impl TokenCount {
@@ -15,15 +17,26 @@ impl TokenCount {
     /// engine sends none (an OpenAI-compatible upstream), the advance of its
     /// cumulative usage.
     pub fn add(&mut self, d: &Delta) -> u32 {
-        let ids = d.token_ids.len() as u32;
-        let counted = match d.usage {
-            Some(u) if ids == 0 => u.completion_tokens.saturating_sub(self.completion),
-            _ => ids,
+        self.add_counts(d.token_ids.len(), d.usage.map(|u| u.completion_tokens))
+    }
+
+    /// [`Self::add`] for a delta read without decoding it: its number of
+    /// token ids and its usage's `completion_tokens`, if it has a usage.
+    pub fn add_counts(&mut self, ids: usize, completion: Option<u32>) -> u32 {
+        let counted = match completion {
+            Some(c) if ids == 0 => c.saturating_sub(self.completion),
+            _ => ids as u32,
         };
-        if let Some(u) = d.usage {
-            self.completion = u.completion_tokens;
+        if let Some(c) = completion {
+            self.completion = c;
         }
+        self.total += u64::from(counted);
         counted
+    }
+
+    /// Tokens counted so far.
+    pub fn total(&self) -> u64 {
+        self.total
     }
 }
 
@@ -67,5 +80,6 @@ mod tests {
         .map(|d| text_only.add(d))
         .collect();
         assert_eq!(counts, [1, 2, 0, 1]);
+        assert_eq!((with_ids.total(), text_only.total()), (3, 4));
     }
 }

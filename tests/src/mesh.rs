@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use tokenmesh_proto::v1::inference_client::InferenceClient;
 use tokenmesh_proto::v1::worker_client::WorkerClient;
-use tokenmesh_proto::v1::{ListModelsRequest, StatusRequest};
+use tokenmesh_proto::v1::{ListModelsRequest, StatusRequest, StatusResponse};
 use tonic::transport::Channel;
 
 /// A worker process.
@@ -158,6 +158,16 @@ impl WorkerProc {
                 .await
                 .expect("connecting to a worker"),
         )
+    }
+
+    /// Its `Worker.Status`; the test fails if it does not answer.
+    pub async fn status(&self) -> StatusResponse {
+        self.client()
+            .await
+            .status(StatusRequest {})
+            .await
+            .expect("Worker.Status answers")
+            .into_inner()
     }
 }
 

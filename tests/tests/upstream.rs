@@ -51,13 +51,7 @@ async fn native_and_upstream_workers_of_one_version_stream_through_the_router() 
     let u2 = upstream_worker("up-2", "v1", &e2.url(), &[], dir.path()).await;
 
     // Each upstream worker reports its engine's model and serves on its own.
-    let status = u1
-        .client()
-        .await
-        .status(StatusRequest {})
-        .await
-        .unwrap()
-        .into_inner();
+    let status = u1.status().await;
     assert_eq!(status.model, MODEL);
     assert_eq!(status.accelerator, "cpu");
     assert_eq!(
@@ -66,15 +60,15 @@ async fn native_and_upstream_workers_of_one_version_stream_through_the_router() 
     );
     let direct = collect_worker(&u1, france_request(12)).await;
     assert_eq!(
-        direct.0,
+        direct.ids,
         direct
-            .0
+            .ids
             .iter()
             .filter(|&&t| t < 49152)
             .copied()
             .collect::<Vec<_>>()
     );
-    assert!(direct.1.contains("Paris"), "{:?}", direct.1);
+    assert!(direct.text.contains("Paris"), "{:?}", direct.text);
 
     let router = static_router(dir.path(), &[&native, &u1, &u2], &[]).await;
     let client = router.client().await;
@@ -111,34 +105,47 @@ async fn native_and_upstream_workers_of_one_version_stream_through_the_router() 
         .collect();
     for r in &upstream {
         assert_eq!(
-            r.0, direct.0,
+            r.0, direct.ids,
             "upstream greedy runs agree: {:?} vs {:?}",
-            r.1, direct.1
+            r.1, direct.text
         );
     }
 }
 
-/// Runs `req` on `worker` directly; its token ids and text.
-async fn collect_worker(worker: &WorkerProc, req: GenerateRequest) -> (Vec<u32>, String) {
+/// What a worker streamed for one request.
+struct Reply {
+    ids: Vec<u32>,
+    text: String,
+    logprobs: Vec<f32>,
+    finished: tokenmesh_proto::v1::Finished,
+}
+
+/// Runs `req` on `worker` directly, to its Finished.
+async fn collect_worker(worker: &WorkerProc, req: GenerateRequest) -> Reply {
     let mut wc = worker.client().await;
     let call = WorkerGenerateRequest {
         request: Some(req),
         ..Default::default()
     };
     let mut stream = wc.generate(call).await.unwrap().into_inner();
-    let (mut ids, mut text, mut finished) = (vec![], String::new(), false);
+    let (mut ids, mut text, mut logprobs, mut finished) = (vec![], String::new(), vec![], None);
     while let Some(msg) = stream.message().await.unwrap() {
         match msg.event {
             Some(Event::Delta(d)) => {
                 ids.extend(d.token_ids);
                 text.push_str(&d.text);
+                logprobs.extend(d.logprobs);
             }
-            Some(Event::Finished(_)) => finished = true,
+            Some(Event::Finished(f)) => finished = Some(f),
             _ => {}
         }
     }
-    assert!(finished, "the stream finishes");
-    (ids, text)
+    Reply {
+        ids,
+        text,
+        logprobs,
+        finished: finished.expect("the stream finishes"),
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -340,7 +347,7 @@ async fn the_prompt_goes_as_text_and_a_continuation_as_text_then_ids() {
     let dir = tempfile::tempdir().unwrap();
     let (_engine, url) = scripted_engine(dir.path()).await.unwrap();
     let worker = upstream_worker("up", "v1", &url, &[], dir.path()).await;
-    let (_, text) = collect_worker(&worker, prompt_request("mn", 4)).await;
+    let text = collect_worker(&worker, prompt_request("mn", 4)).await.text;
     assert_eq!(text, r#""mn""#, "one completion, the prompt as text");
     let mut wc = worker.client().await;
     let call = WorkerGenerateRequest {
@@ -367,8 +374,11 @@ async fn the_prompt_goes_as_text_and_a_continuation_as_text_then_ids() {
 async fn a_request_the_engine_closed_unanswered_is_sent_once_more() {
     let dir = tempfile::tempdir().unwrap();
     let (_engine, worker, metrics) = scripted_with_metrics(dir.path()).await;
-    let (ids, text) = collect_worker(&worker, prompt_request("r", 4)).await;
-    assert_eq!((ids.as_slice(), text.as_str()), (&[120, 121][..], " x y"));
+    let r = collect_worker(&worker, prompt_request("r", 4)).await;
+    assert_eq!(
+        (r.ids.as_slice(), r.text.as_str()),
+        (&[120, 121][..], " x y")
+    );
     let text = scrape_text(&metrics).await.unwrap();
     assert_eq!(
         sum_of(&text, "tokenmesh_worker_upstream_resent_total", ""),
@@ -393,7 +403,7 @@ async fn the_prompt_cache_flag_is_what_the_engine_is_asked_for() {
         ),
     ] {
         let worker = upstream_worker("up", "v1", &url, extra, dir.path()).await;
-        let (_, text) = collect_worker(&worker, prompt_request("p", 4)).await;
+        let text = collect_worker(&worker, prompt_request("p", 4)).await.text;
         assert_eq!(text, says, "{extra:?}");
     }
 }
@@ -534,46 +544,13 @@ const AS_OPENAI: [&str; 6] = [
     "cpu",
 ];
 
-/// What a worker streamed for one request: ids, text, log-probabilities,
-/// and its Finished.
-async fn worker_reply(
-    worker: &WorkerProc,
-    req: GenerateRequest,
-) -> (Vec<u32>, String, Vec<f32>, tokenmesh_proto::v1::Finished) {
-    let mut wc = worker.client().await;
-    let call = WorkerGenerateRequest {
-        request: Some(req),
-        ..Default::default()
-    };
-    let mut stream = wc.generate(call).await.unwrap().into_inner();
-    let (mut ids, mut text, mut logprobs, mut finished) = (vec![], String::new(), vec![], None);
-    while let Some(msg) = stream.message().await.unwrap() {
-        match msg.event {
-            Some(Event::Delta(d)) => {
-                ids.extend(d.token_ids);
-                text.push_str(&d.text);
-                logprobs.extend(d.logprobs);
-            }
-            Some(Event::Finished(f)) => finished = Some(f),
-            _ => {}
-        }
-    }
-    (ids, text, logprobs, finished.expect("the stream finishes"))
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn an_openai_kind_worker_streams_what_the_llama_server_kind_streams_without_ids() {
     let dir = tempfile::tempdir().unwrap();
     let engine = LlamaServer::start("llama", 2, dir.path()).await.unwrap();
     let native_api = upstream_worker("up-llama", "v1", &engine.url(), &[], dir.path()).await;
     let generic = upstream_worker("up-openai", "v1", &engine.url(), &AS_OPENAI, dir.path()).await;
-    let status = generic
-        .client()
-        .await
-        .status(StatusRequest {})
-        .await
-        .unwrap()
-        .into_inner();
+    let status = generic.status().await;
     assert_eq!(status.model, MODEL);
     assert_eq!(
         (status.accelerator.as_str(), status.max_context),
@@ -603,13 +580,14 @@ async fn an_openai_kind_worker_streams_what_the_llama_server_kind_streams_withou
         ("a chat to a stop string", stopped),
         ("log-probabilities", with_logprobs),
     ] {
-        let (ids, text, lps, f) = worker_reply(&native_api, req.clone()).await;
-        let (no_ids, same, lps_too, g) = worker_reply(&generic, req.clone()).await;
+        let native = collect_worker(&native_api, req.clone()).await;
+        let plain = collect_worker(&generic, req.clone()).await;
+        let (f, g) = (&native.finished, &plain.finished);
         assert!(
-            no_ids.is_empty(),
+            plain.ids.is_empty(),
             "{what}: no token ids from the generic API"
         );
-        assert_eq!(same, text, "{what}");
+        assert_eq!(plain.text, native.text, "{what}");
         let (u, v) = (f.usage.unwrap(), g.usage.unwrap());
         assert_eq!(u.prompt_tokens, v.prompt_tokens, "{what}");
         assert!(v.prompt_tokens >= 5, "{what}: {v:?}");
@@ -636,12 +614,13 @@ async fn an_openai_kind_worker_streams_what_the_llama_server_kind_streams_withou
             _ => {
                 assert_eq!(g.finish_reason(), f.finish_reason(), "{what}");
                 assert_eq!(u.completion_tokens, v.completion_tokens, "{what}");
-                assert_eq!(ids.len(), u.completion_tokens as usize, "{what}");
+                assert_eq!(native.ids.len(), u.completion_tokens as usize, "{what}");
             }
         }
         if req.logprobs {
+            let (lps, lps_too) = (&native.logprobs, &plain.logprobs);
             assert_eq!(lps_too.len(), lps.len(), "{what}: one per token");
-            for (a, b) in lps.iter().zip(&lps_too) {
+            for (a, b) in lps.iter().zip(lps_too) {
                 assert!((a - b).abs() < 1e-3, "{what}: {lps:?} vs {lps_too:?}");
             }
         }
@@ -651,6 +630,27 @@ async fn an_openai_kind_worker_streams_what_the_llama_server_kind_streams_withou
         ends,
         [Length as i32, Eos as i32, Stop as i32].into(),
         "every kind of end was seen"
+    );
+
+    // Through a router, which counts the tokens of Deltas without ids from
+    // their usage: its metrics see the reply's tokens and its first token.
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let router = static_router(dir.path(), &[&generic], &["--metrics-listen", &metrics]).await;
+    let got = collect(&mut router.client().await, france_request(6))
+        .await
+        .unwrap();
+    let completion = got.finished.unwrap().usage.unwrap().completion_tokens;
+    assert_eq!(completion, 6);
+    let text = scrape_text(&metrics).await.unwrap();
+    assert_eq!(
+        sum_of(&text, "llm_tokens_generated_total", ""),
+        f64::from(completion),
+        "{text}"
+    );
+    assert_eq!(
+        sum_of(&text, "llm_time_to_first_token_seconds_count", ""),
+        1.0,
+        "{text}"
     );
 }
 

@@ -33,6 +33,7 @@ use crate::admission::Permit;
 use crate::errors::RouterError;
 use std::time::Instant;
 use tokenmesh_proto::codes::classify;
+use tokenmesh_proto::delta::TokenCount;
 use tokenmesh_proto::v1::{generate_response::Event, Accepted, GenerateResponse};
 use tonic::Status;
 use tracing::Span;
@@ -61,11 +62,9 @@ struct ClientStream {
     out: Outbox<Result<Outgoing, Status>>,
     seq: u64,
     emitted: Vec<u32>,
-    /// Completion tokens delivered, as the deltas' usage counts them: the
-    /// ids of `emitted`, or the tokens of a worker that sends no ids.
-    delivered: u32,
-    /// A token has reached the client.
-    first_token_sent: bool,
+    /// Completion tokens delivered: the ids of `emitted`, or the tokens of
+    /// a worker that sends no ids, as its usage counts them.
+    count: TokenCount,
     meter: StreamMeter,
     failovers: u32,
 }
@@ -120,8 +119,7 @@ pub async fn run(
         out,
         seq: 0,
         emitted: Vec::new(),
-        delivered: 0,
-        first_token_sent: false,
+        count: TokenCount::default(),
         meter,
         failovers: 0,
     };
@@ -184,18 +182,12 @@ async fn relay(
             }
             WorkerMessage::Empty => {}
             WorkerMessage::Delta(d) => {
-                let ids = d.token_count();
-                // A worker whose engine sends no ids counts its tokens in
-                // the usage alone.
-                let tokens = match d.completion_tokens() {
-                    Some(c) if ids == 0 => c.saturating_sub(client.delivered) as usize,
-                    _ => ids,
-                };
-                if let Some(c) = d.completion_tokens() {
-                    client.delivered = c;
-                }
-                if !client.first_token_sent && tokens > 0 {
-                    client.first_token_sent = true;
+                let first = client.count.total() == 0;
+                let tokens = client
+                    .count
+                    .add_counts(d.token_count(), d.completion_tokens())
+                    as usize;
+                if first && tokens > 0 {
                     upstream.attempt.first_token(ctx.started.elapsed());
                 }
                 client.meter.tokens(tokens);

@@ -258,7 +258,9 @@ fn scan(msg: &[u8]) -> Option<Shape> {
 /// in a usage without one).
 fn scan_delta(mut buf: &[u8]) -> Option<(usize, Option<u32>)> {
     let mut tokens = 0;
-    let mut completion = None;
+    // A usage was read; the last `completion_tokens` set in one (repeated
+    // usage fields merge, as prost merges them).
+    let (mut usage, mut completion) = (false, None);
     while buf.has_remaining() {
         let (tag, wire) = decode_key(&mut buf).ok()?;
         match (tag, wire) {
@@ -283,15 +285,14 @@ fn scan_delta(mut buf: &[u8]) -> Option<(usize, Option<u32>)> {
             }
             (LOGPROBS, WireType::ThirtyTwoBit) => skip(wire, &mut buf)?,
             (USAGE, WireType::LengthDelimited) => {
-                // Repeated usage fields merge, as prost merges them.
-                let c = scan_usage(take_len(&mut buf)?)?;
-                completion = Some(c.or(completion.flatten()));
+                usage = true;
+                completion = scan_usage(take_len(&mut buf)?)?.or(completion);
             }
             (TOKEN_IDS | TEXT | LOGPROBS | USAGE, _) => return None,
             _ => skip(wire, &mut buf)?,
         }
     }
-    Some((tokens, completion.map(|c| c.unwrap_or(0))))
+    Some((tokens, usage.then(|| completion.unwrap_or(0))))
 }
 
 /// Checks a `Usage` (two uint32 fields); its `completion_tokens`, if set.

@@ -126,17 +126,20 @@ pub fn completion_request(
 /// neutral values, so a strict server refuses only what it cannot do.
 fn openai_request(model: &str, ask: &CompletionAsk<'_>) -> (&'static str, Value) {
     let s = ask.sampling;
-    let (path, mut body) = match ask.prompt {
+    // Chats ask for the chosen token's log-probability as a flag,
+    // completions as a count of alternatives.
+    let (path, mut body, logprobs) = match ask.prompt {
         Some(EnginePrompt::Chat(messages)) => {
             let messages: Vec<Value> = messages
                 .iter()
-                .map(|(role, content)| json!({"role": role, "content": content}))
+                .map(|m| json!({"role": m.role, "content": m.content}))
                 .collect();
-            ("/v1/chat/completions", json!({"messages": messages}))
+            let body = json!({"messages": messages});
+            ("/v1/chat/completions", body, json!(true))
         }
-        Some(EnginePrompt::Text(text)) => ("/v1/completions", json!({"prompt": text})),
+        Some(EnginePrompt::Text(text)) => ("/v1/completions", json!({"prompt": text}), json!(1)),
         // Token ids are a valid prompt in the API; the worker sends text.
-        None => ("/v1/completions", json!({"prompt": ask.context})),
+        None => ("/v1/completions", json!({"prompt": ask.context}), json!(1)),
     };
     body["model"] = json!(model);
     body["max_tokens"] = json!(ask.max_new_tokens);
@@ -162,11 +165,7 @@ fn openai_request(model: &str, ask: &CompletionAsk<'_>) -> (&'static str, Value)
         body["cache_prompt"] = json!(false);
     }
     if ask.logprobs {
-        if path == "/v1/chat/completions" {
-            body["logprobs"] = json!(true);
-        } else {
-            body["logprobs"] = json!(1);
-        }
+        body["logprobs"] = logprobs;
     }
     (path, body)
 }
@@ -337,24 +336,16 @@ fn vllm_chunk(value: Value) -> Result<Chunk, UpstreamError> {
                 .into(),
         )
     })?;
-    let end = match choice.finish_reason.as_deref() {
-        None => None,
-        Some("length") => Some(End::Length),
-        Some("stop") => match choice.stop_reason {
-            Some(Value::String(s)) => Some(End::Stop(s)),
-            // No stop string (null, or the id of a stop token): the end of
-            // sequence, whose id vLLM lists last; it is not output.
-            _ => {
-                tokens.pop();
-                Some(End::Eos)
-            }
-        },
-        Some(other) => {
-            return Err(UpstreamError::Failed(format!(
-                "the sequence ended as {other:?}"
-            )))
-        }
-    };
+    // vLLM names no stop string (null) only for the end of sequence.
+    let end = openai_end(
+        choice.finish_reason.as_deref(),
+        choice.stop_reason,
+        End::Eos,
+    )?;
+    if end == Some(End::Eos) {
+        // The end of sequence's id, which vLLM lists last, is not output.
+        tokens.pop();
+    }
     let logprobs = choice
         .logprobs
         .map(|l| l.token_logprobs.into_iter().flatten().collect())
@@ -446,21 +437,8 @@ fn openai_chunk(value: Value) -> Result<Chunk, UpstreamError> {
     } else {
         usize::from(!text.is_empty())
     };
-    let end = match choice.finish_reason.as_deref() {
-        None => None,
-        Some("length") => Some(End::Length),
-        Some("stop") => match choice.stop_reason.or(choice.matched_stop) {
-            Some(Value::String(s)) => Some(End::Stop(s)),
-            // The id of a stop token: the end of turn.
-            Some(Value::Number(_)) => Some(End::Eos),
-            _ => Some(End::StopOrEos),
-        },
-        Some(other) => {
-            return Err(UpstreamError::Failed(format!(
-                "the sequence ended as {other:?}"
-            )))
-        }
-    };
+    let matched = choice.stop_reason.or(choice.matched_stop);
+    let end = openai_end(choice.finish_reason.as_deref(), matched, End::StopOrEos)?;
     Ok(Chunk {
         text,
         logprobs,
@@ -468,6 +446,30 @@ fn openai_chunk(value: Value) -> Result<Chunk, UpstreamError> {
         usage,
         end,
         ..Chunk::default()
+    })
+}
+
+/// The end an OpenAI-style `finish_reason` says, with what matched where
+/// the server names it (a string: a stop string; a number: the id of a
+/// stop token, the end of turn); `unnamed` is a `stop` with neither.
+fn openai_end(
+    reason: Option<&str>,
+    matched: Option<Value>,
+    unnamed: End,
+) -> Result<Option<End>, UpstreamError> {
+    Ok(match reason {
+        None => None,
+        Some("length") => Some(End::Length),
+        Some("stop") => Some(match matched {
+            Some(Value::String(s)) => End::Stop(s),
+            Some(Value::Number(_)) => End::Eos,
+            _ => unnamed,
+        }),
+        Some(other) => {
+            return Err(UpstreamError::Failed(format!(
+                "the sequence ended as {other:?}"
+            )))
+        }
     })
 }
 
@@ -479,6 +481,7 @@ fn snippet(data: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokenmesh_proto::v1::ChatMessage;
 
     #[test]
     fn llama_server_requests_carry_token_ids_and_mapped_sampling() {
@@ -649,7 +652,10 @@ mod tests {
             json!({"model": "m", "prompt": "Hi", "max_tokens": 5, "stream": true,
                    "stream_options": {"include_usage": true}, "temperature": 0.0, "top_p": 1.0})
         );
-        let chat = EnginePrompt::Chat(vec![("user".into(), "Hello".into())]);
+        let chat = EnginePrompt::Chat(vec![ChatMessage {
+            role: "user".into(),
+            content: "Hello".into(),
+        }]);
         let sampled = SamplingParams {
             temperature: 0.5,
             repetition_penalty: 1.1,

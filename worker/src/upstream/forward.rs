@@ -216,7 +216,7 @@ impl Forward {
                     End::StopOrEos if req.stop.is_empty() => (Finish::Eos, None),
                     End::StopOrEos => (Finish::Stop, Some(String::new())),
                 };
-                if self.kind == UpstreamKind::Openai && progress.engine_completion.is_none() {
+                if self.kind.counts_by_usage() && progress.engine_completion.is_none() {
                     // Its usage comes after the finish: wait for it.
                     progress.ended = Some(end);
                     continue;

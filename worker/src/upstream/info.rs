@@ -7,7 +7,7 @@ use super::error::UpstreamError;
 use super::http::EngineHttp;
 use super::UpstreamKind;
 use serde_json::{json, Value};
-use tokenmesh_proto::v1::GenerateRequest;
+use tokenmesh_proto::v1::{ChatMessage, GenerateRequest};
 
 /// The engine's model, as it reports it.
 #[derive(Clone, Debug)]
@@ -41,13 +41,13 @@ pub async fn discover(
         .and_then(Value::as_str)
         .ok_or_else(|| UpstreamError::Malformed("/v1/models: a model without an id".into()))?
         .to_string();
-    let mut info = match kind {
+    Ok(match kind {
         UpstreamKind::LlamaServer => {
             let props = http.get_json("/props").await?;
-            let context_length = match context_length {
-                Some(n) => n,
-                None => number(&props, "/default_generation_settings/n_ctx", "/props")?,
-            };
+            let context_length = context_length.map_or_else(
+                || number(&props, "/default_generation_settings/n_ctx", "/props"),
+                Ok,
+            )?;
             let vocab_size = number(first, "/meta/n_vocab", "/v1/models")?;
             let eog = match props.get("eos_token").and_then(Value::as_str) {
                 Some(eos) if !eos.is_empty() => llama_tokenize(http, eos, false).await?,
@@ -61,16 +61,18 @@ pub async fn discover(
             }
         }
         UpstreamKind::Vllm | UpstreamKind::Openai => {
-            let context_length = match context_length {
-                Some(n) => n,
-                // vLLM and SGLang say `max_model_len`; other servers may
-                // say nothing, and then the flag must.
-                None => number(first, "/max_model_len", "/v1/models").map_err(|_| {
-                    UpstreamError::Malformed(format!(
-                        "/v1/models gives no max_model_len for {model}: set --upstream-context-length"
-                    ))
-                })?,
-            };
+            // vLLM and SGLang say `max_model_len`; other servers may say
+            // nothing, and then the flag must.
+            let context_length = context_length.map_or_else(
+                || {
+                    number(first, "/max_model_len", "/v1/models").map_err(|_| {
+                        UpstreamError::Malformed(format!(
+                            "/v1/models gives no max_model_len for {model}: set --upstream-context-length"
+                        ))
+                    })
+                },
+                Ok,
+            )?;
             EngineInfo {
                 context_length,
                 model,
@@ -78,9 +80,7 @@ pub async fn discover(
                 eog: Vec::new(),
             }
         }
-    };
-    info.context_length = info.context_length.max(1);
-    Ok(info)
+    })
 }
 
 /// A positive integer at `pointer` of `value`, which came from `path`.
@@ -101,9 +101,9 @@ pub enum EnginePrompt {
     /// also takes text followed by the ids of a continuation; a prompt to
     /// an OpenAI-compatible server's `/v1/completions`).
     Text(String),
-    /// Chat messages, as (role, content), that the engine renders with its
-    /// own template (an OpenAI-compatible server's `/v1/chat/completions`).
-    Chat(Vec<(String, String)>),
+    /// Chat messages the engine renders with its own template (an
+    /// OpenAI-compatible server's `/v1/chat/completions`).
+    Chat(Vec<ChatMessage>),
 }
 
 /// A request's prompt as an engine takes it.
@@ -136,12 +136,7 @@ pub async fn encode_prompt(
         UpstreamKind::Openai => Ok(Prompt::Engine(if g.messages.is_empty() {
             EnginePrompt::Text(g.prompt.clone())
         } else {
-            EnginePrompt::Chat(
-                g.messages
-                    .iter()
-                    .map(|m| (m.role.clone(), m.content.clone()))
-                    .collect(),
-            )
+            EnginePrompt::Chat(g.messages.clone())
         })),
         UpstreamKind::LlamaServer => {
             if g.messages.is_empty() {

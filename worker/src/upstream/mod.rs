@@ -156,6 +156,13 @@ impl UpstreamKind {
         self != Self::Openai
     }
 
+    /// Whether the engine's usage follows the finish in its stream (and is
+    /// what counts the completion's tokens): a generic OpenAI-compatible
+    /// server's, which sends no ids to count.
+    pub fn counts_by_usage(self) -> bool {
+        self == Self::Openai
+    }
+
     /// The accelerator registered when the flag leaves it unset.
     pub fn default_accelerator(self) -> &'static str {
         match self {

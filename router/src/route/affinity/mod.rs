@@ -740,6 +740,33 @@ mod tests {
         );
     }
 
+    #[tokio::test]
+    async fn the_load_guard_never_hands_the_worker_it_turned_down_back() {
+        // Two workers at load 2 and a bound of ceil(0.5 x 5 / 2) = 2 streams:
+        // the preferred one is turned down, and P2C over the two, tied,
+        // would draw it again about half the time.
+        let (_reg, eps) = ready(2);
+        let aff = Affinity::new(AffinitySettings {
+            load_factor: 0.5,
+            ..AffinitySettings::default()
+        });
+        let req = aff.request(&chat(5, 2), "v1", None);
+        let own = req.choose(&all(&eps), true, &mut rng()).worker.unwrap();
+        for e in eps.iter() {
+            e.in_flight.store(2, Ordering::SeqCst);
+        }
+        for seed in 0..40 {
+            let mut r = rand::rngs::StdRng::seed_from_u64(seed);
+            let choice = req.choose(&all(&eps), true, &mut r);
+            assert!(
+                choice.reason.starts_with("load guard: "),
+                "{}",
+                choice.reason
+            );
+            assert_ne!(choice.worker.unwrap().id, own.id, "seed {seed}");
+        }
+    }
+
     #[test]
     fn the_tokens_per_byte_ratio_is_learned_per_model() {
         let aff = cache_aware(4);
