@@ -59,12 +59,14 @@ struct Chunker {
 }
 
 impl Chunker {
-    fn new(seed: u64) -> Self {
+    /// A chunker for a rendering of about `bytes` bytes (its chunk list is
+    /// allocated once, not grown by doubling).
+    fn new(seed: u64, bytes: usize) -> Self {
         Self {
             buf: [0; CHUNK_BYTES],
             len: 0,
             prev: seed,
-            chunks: Vec::new(),
+            chunks: Vec::with_capacity((bytes / CHUNK_BYTES).min(MAX_CHUNKS)),
             bytes: 0,
         }
     }
@@ -72,6 +74,14 @@ impl Chunker {
     fn feed(&mut self, mut data: &[u8]) {
         self.bytes += data.len();
         while !data.is_empty() && self.chunks.len() < MAX_CHUNKS {
+            if self.len == 0 && data.len() >= CHUNK_BYTES {
+                // A whole chunk in place: hashed where it lies, not copied.
+                let (chunk, rest) = data.split_at(CHUNK_BYTES);
+                self.prev = xxh3_64_with_seed(chunk, self.prev);
+                self.chunks.push(self.prev);
+                data = rest;
+                continue;
+            }
             let take = (CHUNK_BYTES - self.len).min(data.len());
             self.buf[self.len..self.len + take].copy_from_slice(&data[..take]);
             self.len += take;
@@ -99,7 +109,14 @@ pub fn seed(model: &str, version: &str) -> u64 {
 /// given.
 pub fn digest(request: &GenerateRequest, version: &str, session: Option<&str>) -> PromptDigest {
     let seed = seed(&request.model, version);
-    let mut chunker = Chunker::new(seed);
+    let rendering = request.prompt.len()
+        + 1
+        + request
+            .messages
+            .iter()
+            .map(|m| m.role.len() + m.content.len() + 2)
+            .sum::<usize>();
+    let mut chunker = Chunker::new(seed, rendering);
     let mut key = Xxh3::with_seed(seed);
     let key_end;
     if request.messages.is_empty() {
@@ -246,6 +263,37 @@ mod tests {
         let longer = digest(&prompt(long("word", 90)), "v1", None);
         assert_eq!(short.conversation, longer.conversation);
         assert_eq!(short.key_chunks, 2);
+    }
+
+    #[test]
+    fn the_chunks_are_those_of_the_whole_rendering_however_the_parts_fall() {
+        // Parts shorter than a chunk, longer than one, and ending on a
+        // chunk's boundary: hashed in place or through the buffer, the chain
+        // is that of the rendering cut into chunks.
+        for (a, b) in [(10, 500), (127, 128), (126, 3 * CHUNK_BYTES), (300, 1)] {
+            let req = chat(vec![
+                msg("system", &"s".repeat(a)),
+                msg("user", &"u".repeat(b)),
+            ]);
+            let mut rendering = Vec::new();
+            for m in &req.messages {
+                rendering.extend_from_slice(m.role.as_bytes());
+                rendering.push(ROLE_END);
+                rendering.extend_from_slice(m.content.as_bytes());
+                rendering.push(MESSAGE_END);
+            }
+            let mut prev = seed("m", "v1");
+            let want: Vec<u64> = rendering
+                .chunks_exact(CHUNK_BYTES)
+                .map(|c| {
+                    prev = xxh3_64_with_seed(c, prev);
+                    prev
+                })
+                .collect();
+            let d = digest(&req, "v1", None);
+            assert_eq!(d.chunks, want, "parts of {a} and {b} bytes");
+            assert_eq!(d.bytes, rendering.len());
+        }
     }
 
     #[test]

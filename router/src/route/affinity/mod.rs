@@ -32,6 +32,7 @@ pub mod decide;
 pub mod digest;
 pub mod index;
 pub mod sets;
+mod top;
 
 use super::candidates::Candidates;
 use super::p2c;

@@ -6,9 +6,10 @@
 //! them (`Arc<[Arc<Endpoint>]>`, rebuilt only when the worker set changes).
 //! Per set this keeps:
 //! - the workers' id hashes, in the set's order, in one compact array: the
-//!   rendezvous top over it is a tight loop of about a nanosecond per
-//!   worker, against a cache miss or two per `Endpoint` (a large heap
-//!   struct whose atomics and id hash lie on different cache lines);
+//!   rendezvous top over it is a vector loop ([`super::top`]) of a fraction
+//!   of a nanosecond per worker, against a cache miss or two per `Endpoint`
+//!   (a large heap struct whose atomics and id hash lie on different cache
+//!   lines);
 //! - whether the set is sorted by id (the view is), so that a rival named
 //!   by the prefix index is found among the candidates by binary search;
 //! - a snapshot of the field statistics (eligible count, least and total
@@ -80,8 +81,10 @@ impl CandidateSet {
     /// or not; ties (of 64-bit weights) go to the smaller id, as in the full
     /// pass. None for an empty set.
     pub fn top(&self, set: &[Arc<Endpoint>], key: u64) -> Option<usize> {
-        // The loop the decision spends most of its time in at 1,000 workers:
-        // one weight and one compare per worker, the ids read only on a tie.
+        if self.sorted {
+            // In id order the first of equal weights has the smaller id.
+            return super::top::first_max(&self.hashes, key).map(|(i, _)| i);
+        }
         let (&first, rest) = self.hashes.split_first()?;
         let (mut best_w, mut best) = (rendezvous_weight(first, key), 0);
         for (i, &h) in rest.iter().enumerate() {
