@@ -8,6 +8,7 @@ pub mod admission;
 pub mod config;
 pub mod discovery;
 pub mod errors;
+pub mod ids;
 pub mod openai;
 pub mod registry;
 pub mod route;

@@ -1,10 +1,14 @@
 use clap::Parser;
 use tokenmesh_router::config::RouterConfig;
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     let cfg = RouterConfig::parse();
-    let (_telemetry, listener) = tokenmesh_runtime::start("tokenmesh-router", &cfg.server).await?;
-    tokenmesh_router::run(cfg, listener, tokenmesh_runtime::shutdown_signal()).await?;
-    Ok(())
+    cfg.server.runtime()?.block_on(async move {
+        let (telemetry, listener) =
+            tokenmesh_runtime::start("tokenmesh-router", &cfg.server).await?;
+        let served =
+            tokenmesh_router::run(cfg, listener, tokenmesh_runtime::shutdown_signal()).await;
+        telemetry.shutdown().await;
+        Ok(served?)
+    })
 }

@@ -81,7 +81,7 @@ fn incoming(
     // Only checked strings reach the span (and the log lines under it).
     span.record("model", req.model.as_str());
     if req.request_id.is_empty() {
-        req.request_id = uuid::Uuid::new_v4().to_string();
+        req.request_id = crate::ids::uuid_v4().to_string();
     }
     span.record("request_id", req.request_id.as_str());
     let pin = match req.version.clone().filter(|v| !v.is_empty()) {

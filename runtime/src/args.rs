@@ -10,7 +10,7 @@ use tokenmesh_certs::tls::{MeshTls, Role, TlsPaths};
 use tokenmesh_proto::keys::Keys;
 
 /// `--listen`, `--etcd`, `--etcd-prefix`, `--tls-dir`, `--insecure`,
-/// `--tls-reload-ms` and the telemetry flags (`--log`, `--log-format`,
+/// `--tls-reload-ms`, `--runtime-threads` and the telemetry flags (`--log`, `--log-format`,
 /// `--otlp-endpoint`, `--metrics-listen`).
 #[derive(clap::Args, Clone, Debug)]
 pub struct ServerArgs<const PORT: u16> {
@@ -48,11 +48,23 @@ pub struct ServerArgs<const PORT: u16> {
     #[arg(long, env = "TOKENMESH_TLS_RELOAD_MS", default_value_t = 2_000)]
     pub tls_reload_ms: u64,
 
+    /// Threads of the async runtime; 0 is one per CPU this process may run
+    /// on. With one, the single-threaded scheduler, which writes several
+    /// streams' messages per syscall where the multi-threaded one wrote one
+    /// (CPU work of the worker's engine runs on its own threads either way).
+    #[arg(long, env = "TOKENMESH_RUNTIME_THREADS", default_value_t = 0)]
+    pub runtime_threads: usize,
+
     #[command(flatten)]
     pub telemetry: TelemetryArgs,
 }
 
 impl<const PORT: u16> ServerArgs<PORT> {
+    /// The async runtime `--runtime-threads` asks for.
+    pub fn runtime(&self) -> std::io::Result<tokio::runtime::Runtime> {
+        crate::scheduler::build(self.runtime_threads)
+    }
+
     /// How often the certificate files are polled (at least every 10 ms).
     pub fn tls_reload(&self) -> Duration {
         Duration::from_millis(self.tls_reload_ms.max(10))
@@ -117,9 +129,12 @@ mod tests {
             "/x",
             "--tls-reload-ms",
             "1",
+            "--runtime-threads",
+            "1",
         ])
         .unwrap();
         assert_eq!(cfg.server.etcd.len(), 2);
+        assert_eq!(cfg.server.runtime_threads, 1);
         assert_eq!(cfg.server.tls_reload(), Duration::from_millis(10));
         assert!(Cfg::try_parse_from(["t", "--insecure", "--tls-dir", "/x"]).is_err());
     }

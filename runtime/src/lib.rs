@@ -4,8 +4,8 @@
 //! requests that do not decode or are too large), readiness ([`readiness`],
 //! which drives grpc.health and the plaintext probes of [`probes`]), the common flags
 //! ([`args::ServerArgs`]), etcd connections and leases ([`etcd`],
-//! [`lease`]), backoff with jitter ([`backoff`]) and telemetry set-up
-//! ([`telemetry`]). No business logic lives here.
+//! [`lease`]), backoff with jitter ([`backoff`]), the async runtime
+//! ([`scheduler`]) and telemetry set-up ([`telemetry`]). No business logic lives here.
 #![forbid(unsafe_code)]
 
 pub mod args;
@@ -16,6 +16,7 @@ pub mod lease;
 pub mod probes;
 pub mod readiness;
 pub mod reflection;
+pub mod scheduler;
 pub mod serve;
 pub mod shutdown;
 pub mod start;

@@ -110,10 +110,23 @@ pub struct TelemetryGuard {
     provider: Option<SdkTracerProvider>,
 }
 
+impl TelemetryGuard {
+    /// Flushes and stops the trace exporter, the runtime running meanwhile:
+    /// the exporter's connection is driven by it, which on the
+    /// single-threaded scheduler only happens while this thread is not
+    /// blocked. Call at the end of `main`, inside the runtime.
+    pub async fn shutdown(mut self) {
+        if let Some(p) = self.provider.take() {
+            let _ = tokio::task::spawn_blocking(move || p.shutdown()).await;
+        }
+    }
+}
+
 impl Drop for TelemetryGuard {
     fn drop(&mut self) {
         if let Some(p) = self.provider.take() {
-            // Shutdown blocks on the exporter; keep it off any runtime thread.
+            // Not shut down by `shutdown` (an early return): shutdown blocks
+            // on the exporter; keep it off any runtime thread.
             let _ = std::thread::spawn(move || p.shutdown()).join();
         }
     }

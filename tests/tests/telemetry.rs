@@ -497,3 +497,75 @@ async fn a_sampling_ratio_of_zero_keeps_only_the_traces_callers_sampled() {
         .collect();
     assert!(others.is_empty(), "unsampled traces exported: {others:?}");
 }
+
+/// Threads of process `pid` that tokio's multi-threaded scheduler named.
+fn runtime_worker_threads(pid: nix::unistd::Pid) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|comm| comm.starts_with("tokio-r"))
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn single_threaded_servers_stream_export_their_spans_and_stop_at_once() {
+    // `--runtime-threads 1`: the single-threaded scheduler, where the trace
+    // exporter's connection is driven only while the runtime's one thread is
+    // not blocked, shutdown included.
+    // As every test here sets it (the variable is the test process's).
+    std::env::set_var("OTEL_BSP_SCHEDULE_DELAY", "100");
+    let (receiver, endpoint) = start_receiver().await;
+    let dir = tempfile::tempdir().unwrap();
+    let flags = ["--runtime-threads", "1", "--otlp-endpoint", &endpoint];
+    let (mut w, mut router) = synthetic_mesh("w-one-thread", dir.path(), &flags, &flags).await;
+    assert_eq!(runtime_worker_threads(router.proc.pid()), 0);
+    assert_eq!(runtime_worker_threads(w.proc.pid()), 0);
+
+    let trace_id = |i: usize| format!("0af7651916cd43dd8448eb211c8031{i:02x}");
+    let mut client = router.client().await;
+    let mut streams = Vec::new();
+    for i in 0..8 {
+        let mut req = Request::new(france_request(40));
+        req.metadata_mut().insert(
+            "traceparent",
+            format!("00-{}-00f067aa0ba902b7-01", trace_id(i))
+                .parse()
+                .unwrap(),
+        );
+        streams.push(client.generate(req).await.unwrap().into_inner());
+    }
+    // Eight streams at once, each token once and in order.
+    for mut s in streams {
+        let mut tokens = 0;
+        while let Some(m) = s.message().await.unwrap() {
+            if let Some(tokenmesh_proto::v1::generate_response::Event::Delta(d)) = m.event {
+                tokens += d.token_ids.len();
+            }
+        }
+        assert_eq!(tokens, 40);
+    }
+    for i in [0, 7] {
+        spans_of_trace(&receiver, &trace_id(i), &["route", "decode"]).await;
+    }
+
+    // One more request just before the stop: its spans are most likely
+    // still in the exporters' batches (100 ms), which the shutdown flushes.
+    let mut req = Request::new(france_request(4));
+    req.metadata_mut().insert(
+        "traceparent",
+        format!("00-{}-00f067aa0ba902b7-01", trace_id(8))
+            .parse()
+            .unwrap(),
+    );
+    let mut last = client.generate(req).await.unwrap().into_inner();
+    while last.message().await.unwrap().is_some() {}
+    let started = Instant::now();
+    assert!(router.proc.terminate(Duration::from_secs(10)).success());
+    assert!(w.proc.terminate(Duration::from_secs(30)).success());
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "stopping took {:?}",
+        started.elapsed()
+    );
+    spans_of_trace(&receiver, &trace_id(8), &["route", "decode"]).await;
+}

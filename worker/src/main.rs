@@ -1,8 +1,7 @@
 use clap::Parser;
 use tokenmesh_worker::config::{WorkerCommand, WorkerConfig};
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     let cfg = WorkerConfig::parse();
     if let Some(WorkerCommand::Tokenize(args)) = &cfg.command {
         let tokenizer = tokenmesh_worker::tokenize::load(args)?;
@@ -11,13 +10,18 @@ async fn main() -> anyhow::Result<()> {
         tokenmesh_worker::tokenize::run(&tokenizer, args, stdin, stdout)?;
         return Ok(());
     }
-    let (_telemetry, listener) = tokenmesh_runtime::start("tokenmesh-worker", &cfg.server).await?;
     if let Some(n) = cfg.threads {
         // candle's CPU-side operations size their thread pool from this
         // variable (the CPU kernels get --threads directly); it must be set
-        // before the model loads.
+        // before the model loads, and before any other thread exists.
         std::env::set_var("RAYON_NUM_THREADS", n.to_string());
     }
-    tokenmesh_worker::run(cfg, listener, tokenmesh_runtime::shutdown_signal()).await?;
-    Ok(())
+    cfg.server.runtime()?.block_on(async move {
+        let (telemetry, listener) =
+            tokenmesh_runtime::start("tokenmesh-worker", &cfg.server).await?;
+        let served =
+            tokenmesh_worker::run(cfg, listener, tokenmesh_runtime::shutdown_signal()).await;
+        telemetry.shutdown().await;
+        Ok(served?)
+    })
 }

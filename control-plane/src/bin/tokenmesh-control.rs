@@ -1,9 +1,13 @@
 use tokenmesh_control::config::ControlConfig;
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     let cfg = ControlConfig::parse_args();
-    let (_telemetry, listener) = tokenmesh_runtime::start("tokenmesh-control", &cfg.server).await?;
-    tokenmesh_control::run(cfg, listener, tokenmesh_runtime::shutdown_signal()).await?;
-    Ok(())
+    cfg.server.runtime()?.block_on(async move {
+        let (telemetry, listener) =
+            tokenmesh_runtime::start("tokenmesh-control", &cfg.server).await?;
+        let served =
+            tokenmesh_control::run(cfg, listener, tokenmesh_runtime::shutdown_signal()).await;
+        telemetry.shutdown().await;
+        Ok(served?)
+    })
 }

@@ -376,7 +376,7 @@ fn incoming(
     req.request_id = header_str(headers, REQUEST_ID)
         .filter(|id| check_id("x-request-id", id).is_ok())
         .map(str::to_string)
-        .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
+        .unwrap_or_else(|| crate::ids::uuid_v4().to_string());
     span.record("request_id", req.request_id.as_str());
     let prefix = match endpoint {
         Endpoint::Chat => "chatcmpl",

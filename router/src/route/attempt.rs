@@ -209,7 +209,7 @@ impl Attempts {
         let guard = InFlight::new(ep.clone());
         // The stream's own name on the worker: request ids are the
         // clients', and two streams may share one.
-        let attempt_id = uuid::Uuid::new_v4().simple().to_string();
+        let attempt_id = crate::ids::uuid_v4().simple().to_string();
         // No span under a request that has none: it would be a root.
         let span = if route.is_disabled() {
             Span::none()
