@@ -660,8 +660,46 @@ unsafe fn tile_float<W: FloatWeights, const R: usize>(
     }
 }
 
+/// `K` consecutive weight rows from `w` (each `cols` long) against `R`
+/// activation rows: each weight load and conversion feeds `R` FMAs and each
+/// activation load `K`, so a batch does `K·R` FMAs per `K + R` loads where
+/// [`tile_float`] does `R` per `1 + R`. Each (weight row, activation row)
+/// pair keeps its own accumulator summed in the same order as there, so the
+/// results are the same bits.
+#[inline(always)]
+unsafe fn tile_float_k<W: FloatWeights, const K: usize, const R: usize>(
+    w: &[W],
+    a: &[f32],
+    cols: usize,
+    out: *mut f32,
+    ld: usize,
+) {
+    let mut acc = [[_mm256_setzero_ps(); R]; K];
+    for j in (0..cols).step_by(8) {
+        let mut v = [_mm256_setzero_ps(); K];
+        for (k, v) in v.iter_mut().enumerate() {
+            *v = W::load8(w.as_ptr().add(k * cols + j));
+        }
+        for i in 0..R {
+            let av = _mm256_loadu_ps(a.as_ptr().add(i * cols + j));
+            for k in 0..K {
+                acc[k][i] = _mm256_fmadd_ps(v[k], av, acc[k][i]);
+            }
+        }
+    }
+    for (k, acc) in acc.iter().enumerate() {
+        for (i, &acc) in acc.iter().enumerate() {
+            *out.add(i * ld + k) = hsum(acc);
+        }
+    }
+}
+
 /// Weight rows `rows` of a float matrix (`cols` values per row, a multiple
 /// of 8) against all `n` float activation rows of `a`: `out[i * ld + r]`.
+/// Below four activation rows (decode of a few sequences, bound by reading
+/// the weights) one weight row at a time, the single stream that prefetches
+/// best; from four on, three weight rows at a time ([`tile_float_k`]: 3 × 4
+/// accumulators, 3 weights and an activation fill the 16 AVX2 registers).
 ///
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C; `w` holds the rows, `a` holds
@@ -676,19 +714,51 @@ pub unsafe fn rows_float<W: FloatWeights>(
     out: *mut f32,
     ld: usize,
 ) {
-    row_tiles!(n, rows, |count, i, r| {
-        let (wr, ar, o) = (
-            &w[r * cols..(r + 1) * cols],
-            &a[i * cols..],
-            out.add(i * ld + r),
-        );
-        match count {
-            4 => tile_float::<W, 4>(wr, ar, cols, o, ld),
-            3 => tile_float::<W, 3>(wr, ar, cols, o, ld),
-            2 => tile_float::<W, 2>(wr, ar, cols, o, ld),
-            _ => tile_float::<W, 1>(wr, ar, cols, o, ld),
+    let row = |r: usize| &w[r * cols..(r + 1) * cols];
+    if n < 4 {
+        row_tiles!(n, rows, |count, i, r| {
+            let (wr, ar, o) = (row(r), &a[i * cols..], out.add(i * ld + r));
+            match count {
+                3 => tile_float::<W, 3>(wr, ar, cols, o, ld),
+                2 => tile_float::<W, 2>(wr, ar, cols, o, ld),
+                _ => tile_float::<W, 1>(wr, ar, cols, o, ld),
+            }
+        });
+        return;
+    }
+    let mut t0 = 0;
+    while t0 < n {
+        let t1 = (t0 + TILE).min(n);
+        let mut r = rows.start;
+        while r < rows.end {
+            let k = (rows.end - r).min(3);
+            let wk = &w[r * cols..(r + k) * cols];
+            let mut i = t0;
+            while i < t1 {
+                let count = (t1 - i).min(4);
+                let (ar, o) = (&a[i * cols..], out.add(i * ld + r));
+                macro_rules! tile {
+                    ($k:literal) => {
+                        match count {
+                            4 => tile_float_k::<W, $k, 4>(wk, ar, cols, o, ld),
+                            3 => tile_float_k::<W, $k, 3>(wk, ar, cols, o, ld),
+                            2 => tile_float_k::<W, $k, 2>(wk, ar, cols, o, ld),
+                            _ => tile_float_k::<W, $k, 1>(wk, ar, cols, o, ld),
+                        }
+                    };
+                }
+                match k {
+                    3 => tile!(3),
+                    2 => tile!(2),
+                    1 => tile!(1),
+                    _ => unreachable!("k is 1 to 3"),
+                }
+                i += count;
+            }
+            r += k;
         }
-    });
+        t0 = t1;
+    }
 }
 
 /// True when this CPU runs the kernels above.
