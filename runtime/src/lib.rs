@@ -27,4 +27,4 @@ pub use backoff::Backoff;
 pub use readiness::Readiness;
 pub use serve::{ServeError, Server};
 pub use shutdown::shutdown_signal;
-pub use start::{start, StartError};
+pub use start::{run_server, start, StartError};

@@ -16,12 +16,8 @@ fn main() -> anyhow::Result<()> {
         // before the model loads, and before any other thread exists.
         std::env::set_var("RAYON_NUM_THREADS", n.to_string());
     }
-    cfg.server.runtime()?.block_on(async move {
-        let (telemetry, listener) =
-            tokenmesh_runtime::start("tokenmesh-worker", &cfg.server).await?;
-        let served =
-            tokenmesh_worker::run(cfg, listener, tokenmesh_runtime::shutdown_signal()).await;
-        telemetry.shutdown().await;
-        Ok(served?)
+    let server = cfg.server.clone();
+    tokenmesh_runtime::run_server("tokenmesh-worker", &server, |listener| async move {
+        Ok(tokenmesh_worker::run(cfg, listener, tokenmesh_runtime::shutdown_signal()).await?)
     })
 }
