@@ -114,7 +114,7 @@ impl TelemetryGuard {
     /// Flushes and stops the trace exporter, the runtime running meanwhile:
     /// the exporter's connection is driven by it, which on the
     /// single-threaded scheduler only happens while this thread is not
-    /// blocked. Call at the end of `main`, inside the runtime.
+    /// blocked. [`crate::run_server`] calls it once `serve` has returned.
     pub async fn shutdown(mut self) {
         if let Some(p) = self.provider.take() {
             let _ = tokio::task::spawn_blocking(move || p.shutdown()).await;

@@ -66,36 +66,43 @@ mod x86 {
     const M1: u64 = 0xff51_afd7_ed55_8ccd;
     const M2: u64 = 0xc4ce_b9fe_1a85_ec53;
 
-    /// Each lane keeps its first maximum (strict compare), so the lanes'
-    /// winners, merged by weight then index, give the first maximum of all.
+    /// `rendezvous_weight` of eight hashes.
+    #[target_feature(enable = "avx512f,avx512dq")]
+    fn weights8(h: __m512i, k: __m512i, m1: __m512i, m2: __m512i) -> __m512i {
+        let mut w = _mm512_xor_si512(h, k);
+        w = _mm512_xor_si512(w, _mm512_srli_epi64::<33>(w));
+        w = _mm512_mullo_epi64(w, m1);
+        w = _mm512_xor_si512(w, _mm512_srli_epi64::<33>(w));
+        w = _mm512_mullo_epi64(w, m2);
+        _mm512_xor_si512(w, _mm512_srli_epi64::<33>(w))
+    }
+
+    /// Each lane starts at its first weight and keeps its first maximum
+    /// (strict compare), so the lanes' winners, merged by weight then index,
+    /// give the first maximum of all.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F and DQ; `hashes` holds at least 8.
     #[target_feature(enable = "avx512f,avx512dq")]
     pub(super) unsafe fn first_max_avx512(hashes: &[u64], key: u64) -> (usize, u64) {
         let lanes = hashes.len() / 8 * 8;
         let k = _mm512_set1_epi64(key as i64);
         let (m1, m2) = (_mm512_set1_epi64(M1 as i64), _mm512_set1_epi64(M2 as i64));
-        let mut best_w = _mm512_setzero_si512();
-        let mut best_i = _mm512_setzero_si512();
         let mut idx = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
         let eight = _mm512_set1_epi64(8);
-        let mut seen: __mmask8 = 0;
-        let mut j = 0;
-        while j < lanes {
+        let p = hashes.as_ptr();
+        // SAFETY: 8 <= lanes <= hashes.len(); unaligned load.
+        let first = unsafe { _mm512_loadu_si512(p.cast()) };
+        let mut best_w = weights8(first, k, m1, m2);
+        let mut best_i = idx;
+        for j in (8..lanes).step_by(8) {
+            idx = _mm512_add_epi64(idx, eight);
             // SAFETY: j + 8 <= lanes <= hashes.len(); unaligned load.
-            let h = unsafe { _mm512_loadu_si512(hashes.as_ptr().add(j).cast()) };
-            let mut w = _mm512_xor_si512(h, k);
-            w = _mm512_xor_si512(w, _mm512_srli_epi64::<33>(w));
-            w = _mm512_mullo_epi64(w, m1);
-            w = _mm512_xor_si512(w, _mm512_srli_epi64::<33>(w));
-            w = _mm512_mullo_epi64(w, m2);
-            w = _mm512_xor_si512(w, _mm512_srli_epi64::<33>(w));
-            // A lane not yet seen takes its first weight whatever it is (a
-            // weight may be 0).
-            let take = _mm512_cmpgt_epu64_mask(w, best_w) | !seen;
-            seen = 0xff;
+            let h = unsafe { _mm512_loadu_si512(p.add(j).cast()) };
+            let w = weights8(h, k, m1, m2);
+            let take = _mm512_cmpgt_epu64_mask(w, best_w);
             best_w = _mm512_mask_blend_epi64(take, best_w, w);
             best_i = _mm512_mask_blend_epi64(take, best_i, idx);
-            idx = _mm512_add_epi64(idx, eight);
-            j += 8;
         }
         let (mut ws, mut is) = ([0u64; 8], [0u64; 8]);
         // SAFETY: both arrays hold 8 u64; unaligned stores.
@@ -119,12 +126,10 @@ mod x86 {
         )
     }
 
-    /// As [`first_max_avx512`], four lanes; unsigned compares by flipping
-    /// the sign bit (AVX2 compares signed).
+    /// `rendezvous_weight` of four hashes, with the sign bit flipped so that
+    /// AVX2's signed compare orders them as unsigned.
     #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn first_max_avx2(hashes: &[u64], key: u64) -> (usize, u64) {
-        let lanes = hashes.len() / 4 * 4;
-        let k = _mm256_set1_epi64x(key as i64);
+    fn weights4_flipped(h: __m256i, k: __m256i) -> __m256i {
         let (m1_lo, m1_hi) = (
             _mm256_set1_epi64x((M1 & 0xffff_ffff) as i64),
             _mm256_set1_epi64x((M1 >> 32) as i64),
@@ -133,34 +138,38 @@ mod x86 {
             _mm256_set1_epi64x((M2 & 0xffff_ffff) as i64),
             _mm256_set1_epi64x((M2 >> 32) as i64),
         );
-        let sign = _mm256_set1_epi64x(i64::MIN);
-        // Weights kept with the sign bit flipped; lane starts at the least.
-        let mut best_w = _mm256_set1_epi64x(i64::MIN);
-        let mut best_i = _mm256_setzero_si256();
+        let mut w = _mm256_xor_si256(h, k);
+        w = _mm256_xor_si256(w, _mm256_srli_epi64::<33>(w));
+        w = mullo(w, m1_lo, m1_hi);
+        w = _mm256_xor_si256(w, _mm256_srli_epi64::<33>(w));
+        w = mullo(w, m2_lo, m2_hi);
+        w = _mm256_xor_si256(w, _mm256_srli_epi64::<33>(w));
+        _mm256_xor_si256(w, _mm256_set1_epi64x(i64::MIN))
+    }
+
+    /// As [`first_max_avx512`], four lanes.
+    ///
+    /// # Safety
+    /// The CPU has AVX2; `hashes` holds at least 4.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn first_max_avx2(hashes: &[u64], key: u64) -> (usize, u64) {
+        let lanes = hashes.len() / 4 * 4;
+        let k = _mm256_set1_epi64x(key as i64);
         let mut idx = _mm256_setr_epi64x(0, 1, 2, 3);
         let four = _mm256_set1_epi64x(4);
-        let mut first = true;
-        let mut j = 0;
-        while j < lanes {
-            // SAFETY: j + 4 <= lanes <= hashes.len(); unaligned load.
-            let h = unsafe { _mm256_loadu_si256(hashes.as_ptr().add(j).cast()) };
-            let mut w = _mm256_xor_si256(h, k);
-            w = _mm256_xor_si256(w, _mm256_srli_epi64::<33>(w));
-            w = mullo(w, m1_lo, m1_hi);
-            w = _mm256_xor_si256(w, _mm256_srli_epi64::<33>(w));
-            w = mullo(w, m2_lo, m2_hi);
-            w = _mm256_xor_si256(w, _mm256_srli_epi64::<33>(w));
-            let flipped = _mm256_xor_si256(w, sign);
-            let take = if first {
-                first = false;
-                _mm256_set1_epi64x(-1)
-            } else {
-                _mm256_cmpgt_epi64(flipped, best_w)
-            };
-            best_w = _mm256_blendv_epi8(best_w, flipped, take);
-            best_i = _mm256_blendv_epi8(best_i, idx, take);
+        let p = hashes.as_ptr();
+        // SAFETY: 4 <= lanes <= hashes.len(); unaligned load.
+        let first = unsafe { _mm256_loadu_si256(p.cast()) };
+        let mut best_w = weights4_flipped(first, k);
+        let mut best_i = idx;
+        for j in (4..lanes).step_by(4) {
             idx = _mm256_add_epi64(idx, four);
-            j += 4;
+            // SAFETY: j + 4 <= lanes <= hashes.len(); unaligned load.
+            let h = unsafe { _mm256_loadu_si256(p.add(j).cast()) };
+            let w = weights4_flipped(h, k);
+            let take = _mm256_cmpgt_epi64(w, best_w);
+            best_w = _mm256_blendv_epi8(best_w, w, take);
+            best_i = _mm256_blendv_epi8(best_i, idx, take);
         }
         let (mut ws, mut is) = ([0u64; 4], [0u64; 4]);
         // SAFETY: both arrays hold 4 u64; unaligned stores.
@@ -198,12 +207,15 @@ mod tests {
             let want = scalar(&hashes, key, 0);
             assert_eq!(first_max(&hashes, key), want, "len {len}");
             #[cfg(target_arch = "x86_64")]
-            if len > 0 {
-                if is_x86_feature_detected!("avx2") {
+            {
+                if len >= 4 && is_x86_feature_detected!("avx2") {
                     // SAFETY: the CPU has AVX2.
                     assert_eq!(Some(unsafe { x86::first_max_avx2(&hashes, key) }), want);
                 }
-                if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512dq") {
+                if len >= 8
+                    && is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx512dq")
+                {
                     // SAFETY: the CPU has AVX-512 F and DQ.
                     assert_eq!(Some(unsafe { x86::first_max_avx512(&hashes, key) }), want);
                 }
@@ -231,7 +243,8 @@ mod tests {
             let first = hashes.iter().position(|&h| h == winner).unwrap();
             assert_eq!(first_max(&hashes, key).map(|t| t.0), Some(first));
         }
-        // All equal, and weights of zero (a lane must still take its first).
+        // All equal, and weights of zero (a lane starts at its first weight,
+        // whatever it is).
         let zero_key = 7u64;
         let all = vec![zero_key; 37];
         assert_eq!(first_max(&all, zero_key).map(|t| t.0), Some(0));

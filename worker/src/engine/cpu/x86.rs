@@ -640,32 +640,11 @@ impl FloatWeights for f32 {
     }
 }
 
-#[inline(always)]
-unsafe fn tile_float<W: FloatWeights, const R: usize>(
-    w: &[W],
-    a: &[f32],
-    cols: usize,
-    out: *mut f32,
-    ld: usize,
-) {
-    let mut acc = [_mm256_setzero_ps(); R];
-    for j in (0..cols).step_by(8) {
-        let wv = W::load8(w.as_ptr().add(j));
-        for i in 0..R {
-            acc[i] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(a.as_ptr().add(i * cols + j)), acc[i]);
-        }
-    }
-    for i in 0..R {
-        *out.add(i * ld) = hsum(acc[i]);
-    }
-}
-
 /// `K` consecutive weight rows from `w` (each `cols` long) against `R`
 /// activation rows: each weight load and conversion feeds `R` FMAs and each
-/// activation load `K`, so a batch does `K·R` FMAs per `K + R` loads where
-/// [`tile_float`] does `R` per `1 + R`. Each (weight row, activation row)
-/// pair keeps its own accumulator summed in the same order as there, so the
-/// results are the same bits.
+/// activation load `K`: `K·R` FMAs per `K + R` loads. Each (weight row,
+/// activation row) pair keeps its own accumulator, summed over the columns in
+/// order, so the result of a pair does not depend on `K` or `R`.
 #[inline(always)]
 unsafe fn tile_float_k<W: FloatWeights, const K: usize, const R: usize>(
     w: &[W],
@@ -696,10 +675,9 @@ unsafe fn tile_float_k<W: FloatWeights, const K: usize, const R: usize>(
 
 /// Weight rows `rows` of a float matrix (`cols` values per row, a multiple
 /// of 8) against all `n` float activation rows of `a`: `out[i * ld + r]`.
-/// Below four activation rows (decode of a few sequences, bound by reading
-/// the weights) one weight row at a time, the single stream that prefetches
-/// best; from four on, three weight rows at a time ([`tile_float_k`]: 3 × 4
-/// accumulators, 3 weights and an activation fill the 16 AVX2 registers).
+/// From four activation rows on, three weight rows at a time
+/// ([`tile_float_k`]: 3 × 4 accumulators, 3 weights and an activation fill
+/// the 16 AVX2 registers).
 ///
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C; `w` holds the rows, `a` holds
@@ -714,24 +692,15 @@ pub unsafe fn rows_float<W: FloatWeights>(
     out: *mut f32,
     ld: usize,
 ) {
-    let row = |r: usize| &w[r * cols..(r + 1) * cols];
-    if n < 4 {
-        row_tiles!(n, rows, |count, i, r| {
-            let (wr, ar, o) = (row(r), &a[i * cols..], out.add(i * ld + r));
-            match count {
-                3 => tile_float::<W, 3>(wr, ar, cols, o, ld),
-                2 => tile_float::<W, 2>(wr, ar, cols, o, ld),
-                _ => tile_float::<W, 1>(wr, ar, cols, o, ld),
-            }
-        });
-        return;
-    }
+    // Decode of one to three sequences is bound by reading the weights:
+    // one weight row at a time, the single stream that prefetches best.
+    let most = if n < 4 { 1 } else { 3 };
     let mut t0 = 0;
     while t0 < n {
         let t1 = (t0 + TILE).min(n);
         let mut r = rows.start;
         while r < rows.end {
-            let k = (rows.end - r).min(3);
+            let k = (rows.end - r).min(most);
             let wk = &w[r * cols..(r + k) * cols];
             let mut i = t0;
             while i < t1 {
