@@ -17,6 +17,7 @@ pub mod registration;
 mod reply;
 pub mod request;
 pub mod scheduler;
+mod series;
 pub mod server;
 pub mod streams;
 pub mod synthetic;

@@ -1,12 +1,13 @@
 //! One sequence's reply: the engine's events for it turned into numbered
 //! wire messages (`Accepted`, `Delta`s, one `Finished`, or an error status),
 //! with the per-request metrics counted as they pass. The per-token series'
-//! handles are looked up once per sequence, not per token (issue 20).
+//! handles are looked up once per worker ([`RequestSeries`]), not per
+//! request or token (issue 20).
 use crate::errors::WorkerError;
 use crate::scheduler::{EngineStats, Event, Finish};
-use crate::server::{record_outcome, Labels, WorkerIdentity};
+use crate::series::RequestSeries;
+use crate::server::WorkerIdentity;
 use crate::streams::LiveStream;
-use metrics::{Counter, Gauge, Histogram};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -27,7 +28,8 @@ pub(crate) struct ReplyTo {
     /// The caller's deadline; past it the sequence is dropped.
     pub deadline: Option<tokio::time::Instant>,
     pub out: mpsc::Sender<Result<GenerateResponse, Status>>,
-    pub labels: Labels,
+    /// This worker's request metrics.
+    pub series: Arc<RequestSeries>,
     /// When the request arrived.
     pub started: Instant,
     pub span: tracing::Span,
@@ -57,19 +59,16 @@ pub(crate) struct Relay {
     last_token: Option<Instant>,
     /// The outcome; a stream dropped without one was cancelled by its client.
     code: tonic::Code,
-    active: Gauge,
-    ttft: Histogram,
-    itl: Histogram,
-    tokens: Counter,
 }
 
 impl Drop for Relay {
     fn drop(&mut self) {
-        let labels = &self.to.labels;
-        self.active.decrement(1.0);
-        metrics::histogram!("llm_request_duration_seconds", labels)
+        let series = &self.to.series;
+        series.active.decrement(1.0);
+        series
+            .duration
             .record(self.to.started.elapsed().as_secs_f64());
-        record_outcome(labels, self.code);
+        series.outcome(self.code);
         if tokenmesh_proto::codes::classify(self.code).is_failure() {
             self.to.span.record("otel.status_code", "ERROR");
         }
@@ -79,15 +78,9 @@ impl Drop for Relay {
 impl Relay {
     /// A reply that counts itself as an active stream until it ends.
     pub(crate) fn new(to: ReplyTo) -> Self {
-        let labels = &to.labels;
-        let active = metrics::gauge!("llm_active_streams", labels);
-        active.increment(1.0);
+        to.series.active.increment(1.0);
         Self {
             completion_tokens: to.already_emitted,
-            ttft: metrics::histogram!("llm_time_to_first_token_seconds", labels),
-            itl: metrics::histogram!("llm_inter_token_latency_seconds", labels),
-            tokens: metrics::counter!("llm_tokens_generated_total", labels),
-            active,
             to,
             seq: 0,
             queued: Duration::ZERO,
@@ -199,13 +192,19 @@ impl Relay {
         self.completion_tokens += n;
         let now = Instant::now();
         match self.last_token {
-            None => self.ttft.record((now - self.to.started).as_secs_f64()),
+            None => self
+                .to
+                .series
+                .ttft
+                .record((now - self.to.started).as_secs_f64()),
             Some(prev) => self
+                .to
+                .series
                 .itl
                 .record((now - prev).as_secs_f64() / f64::from(n.max(1))),
         }
         self.last_token = Some(now);
-        self.tokens.increment(u64::from(n));
+        self.to.series.tokens.increment(u64::from(n));
         let delta = self.delta(ids, text, logprobs);
         self.send(delta).await
     }

@@ -4,8 +4,10 @@ use crate::errors::WorkerError;
 use crate::reply::{Relay, ReplyTo};
 use crate::request::Serving;
 use crate::scheduler::{SequenceRequest, StreamKey};
+use crate::series::RequestSeries;
 use crate::streams::LiveStreams;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Instant;
 use tokenmesh_proto::v1::worker_server::Worker;
 use tokenmesh_proto::v1::{
@@ -36,20 +38,13 @@ pub struct WorkerService {
     identity: WorkerIdentity,
     serving: Serving,
     live: LiveStreams,
+    series: Arc<RequestSeries>,
 }
 
 /// The longest attempt id a caller may give (it reaches logs and spans).
 pub const MAX_ATTEMPT_ID_BYTES: usize = 128;
 
 impl WorkerService {
-    fn labels(&self) -> Labels {
-        [
-            ("model", self.identity.model_name.clone()),
-            ("version", self.identity.version.clone()),
-            ("worker", self.identity.worker_id.clone()),
-        ]
-    }
-
     /// A service over a started engine.
     pub fn new(engine: ServingEngine, identity: WorkerIdentity, default_max_tokens: usize) -> Self {
         let serving = Serving {
@@ -57,11 +52,17 @@ impl WorkerService {
             default_max_tokens,
             kv_capacity: engine.kv_capacity(),
         };
+        let series = Arc::new(RequestSeries::new(vec![
+            ("model", identity.model_name.clone()),
+            ("version", identity.version.clone()),
+            ("worker", identity.worker_id.clone()),
+        ]));
         Self {
             engine,
             identity,
             serving,
             live: LiveStreams::default(),
+            series,
         }
     }
 }
@@ -108,12 +109,12 @@ impl Worker for WorkerService {
             tokenmesh_runtime::telemetry::adopt_parent(&span, request.metadata());
         }
         let req = request.into_inner();
-        let labels = self.labels();
+        let series = &self.series;
         let prepared = self
             .engine
             .prepare(&self.serving, &req)
             .await
-            .map_err(|e| refused(&span, &labels, e.into_status()))?;
+            .map_err(|e| refused(&span, series, e.into_status()))?;
         let request_id = req
             .request
             .as_ref()
@@ -123,14 +124,14 @@ impl Worker for WorkerService {
         let key = StreamKey {
             request_id: request_id.clone(),
             attempt_id: attempt_id(&req.attempt_id)
-                .map_err(|e| refused(&span, &labels, e.into_status()))?,
+                .map_err(|e| refused(&span, series, e.into_status()))?,
         };
         let live = self.live.claim(key.clone()).ok_or_else(|| {
             let taken = WorkerError::StreamExists {
                 request_id: key.request_id.clone(),
                 attempt_id: key.attempt_id.clone(),
             };
-            refused(&span, &labels, taken.into_status())
+            refused(&span, series, taken.into_status())
         })?;
         let (events_tx, events_rx) = mpsc::unbounded_channel();
         span.record("request_id", request_id.as_str());
@@ -160,7 +161,7 @@ impl Worker for WorkerService {
                 prepared.engine_prompt,
             )
             .await
-            .map_err(|e| refused(&span, &labels, e.into_status()))?;
+            .map_err(|e| refused(&span, series, e.into_status()))?;
         tracing::debug!(
             request_id,
             attempt_id = %key.attempt_id,
@@ -175,7 +176,7 @@ impl Worker for WorkerService {
             already_emitted: prepared.already_emitted as u32,
             deadline,
             out: out_tx,
-            labels,
+            series: series.clone(),
             started: enqueued,
             span,
             _live: live,
@@ -238,7 +239,7 @@ impl Worker for WorkerService {
     async fn status(&self, _: Request<StatusRequest>) -> Result<Response<StatusResponse>, Status> {
         // Every router polls every worker: this is the poll load a fleet puts
         // on each worker (BENCHMARKS.md, "Fleet scale").
-        metrics::counter!("llm_status_requests_total", &self.labels()).increment(1);
+        self.series.status_polls.increment(1);
         if let Some(why) = self.engine.unavailable() {
             return Err(Status::unavailable(why));
         }
@@ -285,24 +286,11 @@ fn attempt_id(given: &str) -> Result<String, WorkerError> {
     })
 }
 
-/// The model, version and worker labels of a request's metrics.
-pub(crate) type Labels = [(&'static str, String); 3];
-
 /// A request refused before it reached the engine: marked on its span and
 /// counted.
-fn refused(span: &tracing::Span, labels: &Labels, status: Status) -> Status {
+fn refused(span: &tracing::Span, series: &RequestSeries, status: Status) -> Status {
     span.record("otel.status_code", "ERROR");
     span.record("error", status.message());
-    record_outcome(labels, status.code());
+    series.outcome(status.code());
     status
-}
-
-/// Counts one request's outcome.
-pub(crate) fn record_outcome(labels: &Labels, code: tonic::Code) {
-    let mut with_code: Vec<(&'static str, String)> = labels.to_vec();
-    with_code.push(("code", tokenmesh_proto::codes::code_name(code).to_string()));
-    metrics::counter!("llm_request_total", &with_code).increment(1);
-    if tokenmesh_proto::codes::classify(code).is_failure() {
-        metrics::counter!("llm_request_errors_total", labels).increment(1);
-    }
 }

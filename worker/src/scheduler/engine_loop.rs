@@ -22,6 +22,7 @@
 //!    with its error); blocks the step filled are registered in the prefix
 //!    cache before any sequence ends, so an ending sequence leaves them cached.
 use super::queue::PriorityQueue;
+use super::series::EngineSeries;
 use super::{Command, EngineStats, Event, Finish, SchedulerConfig, SequenceRequest, StreamKey};
 use crate::engine::detokenize::TextStream;
 use crate::engine::kv::{KvCache, KvPool};
@@ -91,6 +92,7 @@ pub(super) struct Scheduler<M: StepModel> {
     active: Vec<Seq<M::SeqState>>,
     /// Smoothed seconds per token of recent steps, for the latency target.
     secs_per_token: f64,
+    series: EngineSeries,
 }
 
 impl<M: StepModel> Scheduler<M> {
@@ -107,6 +109,7 @@ impl<M: StepModel> Scheduler<M> {
             .kv_blocks_total
             .store(pool.total_blocks() as u32, Ordering::SeqCst);
         Ok(Self {
+            series: EngineSeries::new(&cfg.labels, cfg.prefix_cache.is_some()),
             waiting: PriorityQueue::new(cfg.priority_aging),
             model,
             cfg,
@@ -317,9 +320,8 @@ impl<M: StepModel> Scheduler<M> {
             .fetch_add(tokens as u64, Ordering::Relaxed);
         st.prompt_tokens_cached
             .fetch_add(cached as u64, Ordering::Relaxed);
-        let labels = &self.cfg.labels;
-        metrics::counter!("llm_prompt_tokens_total", labels).increment(tokens as u64);
-        metrics::counter!("llm_prefix_cache_hit_tokens_total", labels).increment(cached as u64);
+        self.series.prompt_tokens.increment(tokens as u64);
+        self.series.prefix_hit_tokens.increment(cached as u64);
     }
 
     /// Gives every decoding sequence room for its next token, preempting the
@@ -405,7 +407,7 @@ impl<M: StepModel> Scheduler<M> {
             std::thread::sleep(Duration::from_millis(1));
             return;
         }
-        metrics::histogram!("llm_batch_size", &self.cfg.labels).record(stepping.len() as f64);
+        self.series.batch_size.record(stepping.len() as f64);
         let output = match self.forward() {
             Ok(output) => output,
             Err(e) => {
@@ -507,21 +509,19 @@ impl<M: StepModel> Scheduler<M> {
         st.kv_blocks_cached.store(cached as u32, Ordering::SeqCst);
         let evicted = self.pool.evicted_blocks();
         st.kv_blocks_evicted.store(evicted, Ordering::SeqCst);
-        let labels = &self.cfg.labels;
-        for (name, d) in ["high", "normal", "low"].iter().zip(depths) {
-            let mut l = labels.clone();
-            l.push(("priority", name.to_string()));
-            metrics::gauge!("llm_queue_depth", &l).set(d as f64);
+        let series = &self.series;
+        for (gauge, d) in series.queue_depth.iter().zip(depths) {
+            gauge.set(d as f64);
         }
-        metrics::gauge!("llm_kv_cache_usage_ratio", labels)
+        series
+            .kv_cache_usage
             .set(used as f64 / self.pool.total_blocks().max(1) as f64);
-        if self.cfg.prefix_cache.is_some() {
-            metrics::gauge!("llm_prefix_cache_blocks", labels).set(cached as f64);
-            metrics::counter!("llm_prefix_cache_evictions_total", labels).absolute(evicted);
+        if let Some(prefix) = &series.prefix {
+            prefix.blocks.set(cached as f64);
+            prefix.evictions.absolute(evicted);
             let total = st.prompt_tokens_total.load(Ordering::Relaxed);
             let hits = st.prompt_tokens_cached.load(Ordering::Relaxed);
-            metrics::gauge!("llm_prefix_cache_hit_ratio", labels)
-                .set(hits as f64 / total.max(1) as f64);
+            prefix.hit_ratio.set(hits as f64 / total.max(1) as f64);
         }
     }
 }

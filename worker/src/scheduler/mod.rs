@@ -8,6 +8,7 @@
 //! [`StepModel`]: the GGUF model, or the synthetic engine.
 mod engine_loop;
 pub mod queue;
+mod series;
 
 use crate::engine::model::StepModel;
 use crate::engine::sampling::SamplingParams;
