@@ -157,6 +157,7 @@ async fn main() {
             priority_aging: Duration::from_secs(60),
             prefix_cache: cache.then(|| format!("{}:bench", model.digest)),
             labels: vec![],
+            phase_spans: false,
         };
         let engine = EngineHandle::start(model.clone(), cfg).unwrap();
         let warm = ttft(&engine, contexts[0].clone()).await;

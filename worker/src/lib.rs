@@ -167,6 +167,7 @@ fn scheduler_config(
             .prefix_cache
             .then(|| format!("{model_identity}:{}", cfg.model_version)),
         labels,
+        phase_spans: cfg.trace_phases,
     }
 }
 

@@ -132,8 +132,16 @@ impl Relay {
                         .await;
                     false
                 }
-                Some(Event::Started { queued }) => {
+                Some(Event::Started {
+                    queued,
+                    prompt_tokens_cached,
+                }) => {
                     self.queued = queued;
+                    let span = &self.to.span;
+                    span.record("queue_ms", ms(queued));
+                    if let Some(cached) = prompt_tokens_cached {
+                        span.record("prompt_tokens_cached", cached);
+                    }
                     true
                 }
                 Some(Event::PromptCounted { tokens }) => {
@@ -159,6 +167,14 @@ impl Relay {
                     total,
                 }) => {
                     self.completion_tokens = completion_tokens;
+                    // The phases' times, where `--trace-phases` is off the
+                    // only record of them in the trace: prefill from the
+                    // batch's admission to the first token, decode after it.
+                    if let Some(first) = first_token {
+                        let span = &self.to.span;
+                        span.record("prefill_ms", ms(first.saturating_sub(self.queued)));
+                        span.record("decode_ms", ms(total.saturating_sub(first)));
+                    }
                     let timings = Timings {
                         queue_ms: ms(self.queued),
                         time_to_first_token_ms: first_token.map(ms).unwrap_or(0.0),

@@ -101,6 +101,10 @@ impl Worker for WorkerService {
             prompt_tokens = tracing::field::Empty,
             completion_tokens = tracing::field::Empty,
             finish_reason = tracing::field::Empty,
+            prompt_tokens_cached = tracing::field::Empty,
+            queue_ms = tracing::field::Empty,
+            prefill_ms = tracing::field::Empty,
+            decode_ms = tracing::field::Empty,
             trace_id = tracing::field::Empty,
             error = tracing::field::Empty,
             )

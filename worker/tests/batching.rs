@@ -28,6 +28,7 @@ fn config(max_batch: usize, kv_mib: usize) -> SchedulerConfig {
         prefix_cache: None,
         priority_aging: Duration::from_secs(60),
         labels: vec![],
+        phase_spans: false,
     }
 }
 

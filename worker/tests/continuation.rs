@@ -47,6 +47,7 @@ fn config() -> SchedulerConfig {
         prefix_cache: None,
         priority_aging: Duration::from_secs(60),
         labels: vec![],
+        phase_spans: false,
     }
 }
 

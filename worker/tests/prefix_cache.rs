@@ -38,6 +38,7 @@ fn engine(m: &Arc<LoadedModel>, kv_tokens: usize, cache: bool) -> EngineHandle {
         priority_aging: Duration::from_secs(60),
         prefix_cache: cache.then(|| format!("{}:test", m.digest)),
         labels: vec![],
+        phase_spans: false,
     };
     EngineHandle::start(m.clone(), cfg).unwrap()
 }

@@ -33,11 +33,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
-/// A phase span (`queue`, `prefill`, `decode`) under the request's span; none
-/// for a request that has no span (not sampled): a child of none is a root.
+/// A phase span (`queue`, `prefill`, `decode`) under the request's span, with
+/// `--trace-phases`; none without it, or for a request that has no span (not
+/// sampled): a child of none is a root.
 macro_rules! phase_span {
-    ($parent:expr, $($rest:tt)+) => {
-        if $parent.is_disabled() {
+    ($on:expr, $parent:expr, $($rest:tt)+) => {
+        if !$on || $parent.is_disabled() {
             tracing::Span::none()
         } else {
             tracing::info_span!(parent: $parent, $($rest)+)
@@ -223,7 +224,7 @@ impl<M: StepModel> Scheduler<M> {
             prompt: &req.context[..emitted_from],
             emitted: &req.context[emitted_from..],
         });
-        let phase = phase_span!(&req.span, "queue", priority = ?req.priority);
+        let phase = phase_span!(self.cfg.phase_spans, &req.span, "queue", priority = ?req.priority);
         let (priority, at) = (req.priority, req.enqueued);
         let seq = Seq {
             cache: KvCache::default(),
@@ -300,9 +301,11 @@ impl<M: StepModel> Scheduler<M> {
                 s.started = true;
                 let _ = s.req.events.send(Event::Started {
                     queued: now - s.req.enqueued,
+                    prompt_tokens_cached: Some(cached as u32),
                 });
             }
             s.phase = phase_span!(
+                self.cfg.phase_spans,
                 &s.req.span,
                 "prefill",
                 tokens = s.req.context.len(),
@@ -360,7 +363,7 @@ impl<M: StepModel> Scheduler<M> {
         self.pool.release(&mut s.cache);
         self.stats.preemptions.fetch_add(1, Ordering::Relaxed);
         tracing::info!(request_id = %s.req.request_id, tokens = s.req.context.len(), "preempted: KV pool full; will recompute");
-        s.phase = phase_span!(&s.req.span, "queue", preempted = true);
+        s.phase = phase_span!(self.cfg.phase_spans, &s.req.span, "queue", preempted = true);
         self.stats.queued.fetch_add(1, Ordering::SeqCst);
         self.waiting.push_front(s.req.priority, s.req.enqueued, s);
     }
@@ -563,7 +566,9 @@ fn next_token<M: StepModel>(
     let token = s.sampler.sample(row, recent, s.generated);
     if s.prefilling {
         s.prefilling = false;
-        s.phase = phase_span!(&s.req.span, "decode", tokens = tracing::field::Empty);
+        // A decode span follows a prefill span, where phases are spans.
+        let on = !s.phase.is_disabled();
+        s.phase = phase_span!(on, &s.req.span, "decode", tokens = tracing::field::Empty);
     }
     if s.first_token.is_none() {
         s.first_token = Some(s.req.enqueued.elapsed());

@@ -42,7 +42,12 @@ pub struct StreamKey {
 #[derive(Debug)]
 pub enum Event {
     /// The sequence left the queue and entered the batch.
-    Started { queued: Duration },
+    Started {
+        queued: Duration,
+        /// Prompt tokens the prefix cache served (None: the engine does not
+        /// say, as an upstream engine does not).
+        prompt_tokens_cached: Option<u32>,
+    },
     /// The engine counted the prompt's tokens: an upstream engine that
     /// tokenized a text prompt itself, before its first token.
     PromptCounted { tokens: u32 },
@@ -163,6 +168,10 @@ pub struct SchedulerConfig {
     pub priority_aging: Duration,
     /// Metric labels of this worker (model, version, worker).
     pub labels: Vec<(&'static str, String)>,
+    /// Each sequence's `queue`, `prefill` and `decode` as spans under its
+    /// `Generate` span (`--trace-phases`); otherwise their times are only
+    /// attributes of that span, which costs a fraction (issue 20).
+    pub phase_spans: bool,
 }
 
 /// What an engine's handle sends its thread.

@@ -375,6 +375,7 @@ impl UpstreamEngine {
         let active = Active::new(self.stats.clone());
         let _ = req.events.send(Event::Started {
             queued: req.enqueued.elapsed(),
+            prompt_tokens_cached: None,
         });
         let ask = dialect::CompletionAsk {
             prompt: prompt.as_ref(),

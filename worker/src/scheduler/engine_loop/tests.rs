@@ -106,6 +106,7 @@ fn config(max_batch: usize, kv_tokens: usize) -> SchedulerConfig {
         prefix_cache: None,
         priority_aging: Duration::from_secs(1),
         labels: vec![],
+        phase_spans: false,
     }
 }
 

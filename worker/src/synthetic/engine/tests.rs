@@ -45,6 +45,7 @@ fn scheduler(max_batch: usize, queue_capacity: usize) -> SchedulerConfig {
         prefix_cache: None,
         priority_aging: Duration::from_secs(2),
         labels: vec![],
+        phase_spans: false,
     }
 }
 
