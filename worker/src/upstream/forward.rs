@@ -9,6 +9,7 @@ use super::UpstreamKind;
 use crate::scheduler::{EngineStats, Event, Finish, SequenceRequest};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
+use metrics::{Counter, Histogram};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -20,14 +21,52 @@ pub(super) struct Forward {
     /// End-of-generation ids, not output.
     pub eog: Arc<[u32]>,
     pub stats: Arc<EngineStats>,
-    /// The worker's metric labels.
-    pub labels: Vec<(&'static str, String)>,
+    /// The worker's upstream series.
+    pub series: Arc<UpstreamSeries>,
     /// Stops the sequence as CANCELLED.
     pub abort: oneshot::Receiver<()>,
     pub timing: FirstToken,
     /// The engine tokenized a text prompt: its count of the prompt's tokens
     /// is relayed before the first token.
     pub counts_prompt: bool,
+}
+
+/// The series a forwarded sequence records, looked up once per engine, not
+/// by name and labels on every request (issue 20).
+pub(super) struct UpstreamSeries {
+    /// The worker's metric labels (model, version, worker), for the rare
+    /// series made on use (errors by kind).
+    pub labels: Vec<(&'static str, String)>,
+    /// `tokenmesh_worker_upstream_first_token_seconds` by part: prepare,
+    /// completion, worker.
+    first_token: [Histogram; 3],
+    /// `tokenmesh_worker_upstream_gaps_total{kind="token_ids_missing"}`.
+    ids_missing: Counter,
+}
+
+impl UpstreamSeries {
+    /// The series for `labels`, in the recorder installed now.
+    pub fn new(labels: Vec<(&'static str, String)>) -> Self {
+        let with = |key: &'static str, value: &str| {
+            let mut l = labels.clone();
+            l.push((key, value.to_string()));
+            l
+        };
+        let part = |p: &str| {
+            metrics::histogram!(
+                "tokenmesh_worker_upstream_first_token_seconds",
+                &with("part", p)
+            )
+        };
+        Self {
+            first_token: [part("prepare"), part("completion"), part("worker")],
+            ids_missing: metrics::counter!(
+                "tokenmesh_worker_upstream_gaps_total",
+                &with("kind", "token_ids_missing")
+            ),
+            labels,
+        }
+    }
 }
 
 /// What the first token's time to arrive is made of, so that the worker's
@@ -47,19 +86,16 @@ impl FirstToken {
     /// (the engine's, request sent → the event read) and `worker` (all the
     /// rest since the request came in: parsing, queueing for a slot,
     /// building the body, parsing the event, the hand-off to the reply).
-    fn record(&self, req: &SequenceRequest, arrived: Instant, labels: &[(&'static str, String)]) {
+    fn record(&self, req: &SequenceRequest, arrived: Instant, series: &UpstreamSeries) {
         let total = req.enqueued.elapsed();
         let completion = arrived.saturating_duration_since(self.asked);
         let worker = total.saturating_sub(self.prepare + completion);
-        for (part, d) in [
-            ("prepare", self.prepare),
-            ("completion", completion),
-            ("worker", worker),
-        ] {
-            let mut labels = labels.to_vec();
-            labels.push(("part", part.to_string()));
-            metrics::histogram!("tokenmesh_worker_upstream_first_token_seconds", &labels)
-                .record(d.as_secs_f64());
+        for (h, d) in series
+            .first_token
+            .iter()
+            .zip([self.prepare, completion, worker])
+        {
+            h.record(d.as_secs_f64());
         }
         // One line per request at debug level: the benchmark reads the
         // worker's part from it (the histogram's buckets are too coarse for
@@ -172,7 +208,7 @@ impl Forward {
             Ok(None) => None,
             Err(e) => {
                 tracing::warn!(error = %e, tokens = progress.tokens, "upstream stream failed");
-                e.count(&self.labels);
+                e.count(&self.series.labels);
                 let status = tonic::Status::new(e.code(), e.to_string());
                 let _ = req.events.send(Event::Status(status));
                 None
@@ -274,7 +310,7 @@ impl Forward {
                 logprobs: if req.logprobs { logprobs } else { Vec::new() },
             });
             if progress.tokens == untokenized {
-                self.timing.record(req, arrived, &self.labels);
+                self.timing.record(req, arrived, &self.series);
             }
             return;
         }
@@ -295,9 +331,8 @@ impl Forward {
                     missing = generated - progress.engine_tokens,
                     "engine left token ids out of its stream"
                 );
-                let mut labels = self.labels.clone();
-                labels.push(("kind", "token_ids_missing".to_string()));
-                metrics::counter!("tokenmesh_worker_upstream_gaps_total", &labels)
+                self.series
+                    .ids_missing
                     .increment((generated - progress.engine_tokens) as u64);
                 progress.engine_tokens = generated;
             }
@@ -320,7 +355,7 @@ impl Forward {
                 logprob: req.logprobs.then(|| logprobs.get(i).copied()).flatten(),
             });
             if progress.tokens == 1 {
-                self.timing.record(req, arrived, &self.labels);
+                self.timing.record(req, arrived, &self.series);
             }
         }
     }

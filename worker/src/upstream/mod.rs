@@ -200,6 +200,7 @@ pub struct UpstreamEngine {
     prompt_cache: bool,
     aborts: Aborts,
     labels: Vec<(&'static str, String)>,
+    series: Arc<forward::UpstreamSeries>,
     /// The engine answered its last health poll.
     healthy: Arc<AtomicBool>,
 }
@@ -279,6 +280,7 @@ impl Setup {
             queue_capacity,
             prompt_cache: self.prompt_cache,
             aborts: Aborts::default(),
+            series: Arc::new(forward::UpstreamSeries::new(labels.clone())),
             labels,
             healthy: Arc::default(),
         }
@@ -409,7 +411,7 @@ impl UpstreamEngine {
             kind: self.kind,
             eog: self.info.eog.clone().into(),
             stats: self.stats.clone(),
-            labels: self.labels.clone(),
+            series: self.series.clone(),
             abort: abort_rx,
             timing: forward::FirstToken { prepare, asked },
             counts_prompt: prompt.is_some(),
