@@ -322,7 +322,7 @@ echo "== observability: router tracing + metrics on vs off, 100 streams"
 SINK_PYTHON=${SINK_PYTHON:-${TOKENMESH_PYTHON:-python3}}
 sink_port=$(free_port)
 if [ "${OTLP_SINK:-up}" = up ]; then
-  "$SINK_PYTHON" scripts/otlp_sink.py "$sink_port" >"$OUT/otlp-sink.log" 2>&1 & pids+=($!)
+  "$SINK_PYTHON" scripts/otlp_sink.py "$sink_port" >"$OUT/otlp-sink.log" 2>&1 & pids+=($!); SINK_PID=$!
   wait_port "127.0.0.1:$sink_port"
 fi # else nothing listens there: the collector is down
 { echo "collector: ${OTLP_SINK:-up} (127.0.0.1:$sink_port)"
@@ -345,10 +345,12 @@ for rep in $(seq "$REPS"); do
       router-off) args=(--target "$OFF_ROUTER"); pid=$OFF_PID ;;
       router-on) args=(--target "$ON_ROUTER"); pid=$ON_PID ;;
     esac
-    before=$(cpu_secs "$pid")
+    before=$(cpu_secs "$pid"); sink_before=$([ -n "${SINK_PID:-}" ] && cpu_secs "$SINK_PID" || echo 0)
     $BIN/meshctl bench "${args[@]}" --concurrency 100 --max-tokens 50 --prompt-words 32 \
       --duration 5 --warmup 1 --seed "$rep" --output json --no-progress | tag $to "$rep" >>"$OUT/observability.jsonl"
-    echo "$to rep $rep: router CPU $(awk -v a="$before" -v b="$(cpu_secs "$pid")" 'BEGIN { print b - a }') s" \
+    # The sink's CPU is taken from the same two cores: part of the on runs' cost here.
+    sink=$([ -n "${SINK_PID:-}" ] && awk -v a="$sink_before" -v b="$(cpu_secs "$SINK_PID")" 'BEGIN { print b - a }' || echo 0)
+    echo "$to rep $rep: router CPU $(awk -v a="$before" -v b="$(cpu_secs "$pid")" 'BEGIN { print b - a }') s, OTLP sink CPU $sink s" \
       | tee -a "$OUT/observability-cpu.txt"
   done
 done

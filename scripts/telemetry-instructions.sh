@@ -2,7 +2,8 @@
 # The router's instructions per request with telemetry off, on (OTLP export to
 # scripts/otlp_sink.py and --metrics-listen) and on at --trace-sampling-ratio 0.1,
 # RUNS runs each, interleaved (BENCHMARKS.md, issue 20). Wraps
-# scripts/router-instructions.sh; needs valgrind and a python with grpcio for the sink.
+# scripts/router-instructions.sh, so MESH=1 counts the worker's instructions too (each
+# process given the telemetry flags); needs valgrind and a python with grpcio for the sink.
 # Usage: scripts/telemetry-instructions.sh BINDIR OUTDIR [RUNS] [REQUESTS]
 set -euo pipefail
 BIN=$1; OUT=$2; RUNS=${3:-2}; N=${4:-300}

@@ -91,13 +91,7 @@ struct StartedEngine {
 /// Loads the GGUF model and starts its engine thread, or starts the
 /// synthetic engine.
 async fn start_engine(cfg: &WorkerConfig, worker_id: &str) -> Result<StartedEngine, RunError> {
-    let labels = |model: &str| {
-        vec![
-            ("model", model.to_string()),
-            ("version", cfg.model_version.clone()),
-            ("worker", worker_id.to_string()),
-        ]
-    };
+    let labels = |model: &str| series::worker_labels(model, &cfg.model_version, worker_id);
     if cfg.engine != EngineKind::Synthetic {
         if cfg.synthetic_error_rate.is_some() {
             return Err(RunError::SyntheticOnly("--synthetic-error-rate"));

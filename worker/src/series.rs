@@ -4,7 +4,32 @@
 //! does the same per endpoint (`Endpoint::stream_series`).
 use metrics::{Counter, Gauge, Histogram};
 use std::sync::OnceLock;
+use tokenmesh_proto::codes::code_name;
 use tonic::Code;
+
+/// The labels of a worker's metrics.
+pub(crate) fn worker_labels(
+    model: &str,
+    version: &str,
+    worker: &str,
+) -> Vec<(&'static str, String)> {
+    vec![
+        ("model", model.to_string()),
+        ("version", version.to_string()),
+        ("worker", worker.to_string()),
+    ]
+}
+
+/// `labels` and one more, for a series split by a further label.
+pub(crate) fn with_label(
+    labels: &[(&'static str, String)],
+    key: &'static str,
+    value: &str,
+) -> Vec<(&'static str, String)> {
+    let mut l = labels.to_vec();
+    l.push((key, value.to_string()));
+    l
+}
 
 /// One worker's request series (labels model, version, worker).
 pub(crate) struct RequestSeries {
@@ -39,10 +64,10 @@ impl RequestSeries {
 
     /// Counts one request's outcome.
     pub(crate) fn outcome(&self, code: Code) {
-        let slot = &self.by_code[(code as usize).min(16)];
+        // `tonic::Code` is a closed enum of the values 0 to 16.
+        let slot = &self.by_code[code as usize];
         slot.get_or_init(|| {
-            let mut with_code = self.labels.clone();
-            with_code.push(("code", tokenmesh_proto::codes::code_name(code).to_string()));
+            let with_code = with_label(&self.labels, "code", code_name(code));
             metrics::counter!("llm_request_total", &with_code)
         })
         .increment(1);

@@ -4,7 +4,7 @@ use crate::errors::WorkerError;
 use crate::reply::{Relay, ReplyTo};
 use crate::request::Serving;
 use crate::scheduler::{SequenceRequest, StreamKey};
-use crate::series::RequestSeries;
+use crate::series::{worker_labels, RequestSeries};
 use crate::streams::LiveStreams;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -52,11 +52,11 @@ impl WorkerService {
             default_max_tokens,
             kv_capacity: engine.kv_capacity(),
         };
-        let series = Arc::new(RequestSeries::new(vec![
-            ("model", identity.model_name.clone()),
-            ("version", identity.version.clone()),
-            ("worker", identity.worker_id.clone()),
-        ]));
+        let series = Arc::new(RequestSeries::new(worker_labels(
+            &identity.model_name,
+            &identity.version,
+            &identity.worker_id,
+        )));
         Self {
             engine,
             identity,

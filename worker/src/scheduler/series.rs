@@ -3,6 +3,7 @@
 //! (the labels cloned into a key, hashed, found in the registry) cost far
 //! more than setting the value (issue 20: two thirds of the worker's
 //! telemetry cost, before).
+use crate::series::with_label;
 use metrics::{Counter, Gauge, Histogram};
 
 /// The series the engine thread records.
@@ -29,11 +30,8 @@ impl EngineSeries {
     /// The series of a worker with these labels (model, version, worker), in
     /// the recorder installed now (none installed: handles that do nothing).
     pub(super) fn new(labels: &[(&'static str, String)], prefix_cache: bool) -> Self {
-        let by_priority = |p: &'static str| {
-            let mut l = labels.to_vec();
-            l.push(("priority", p.to_string()));
-            metrics::gauge!("llm_queue_depth", &l)
-        };
+        let by_priority =
+            |p| metrics::gauge!("llm_queue_depth", &with_label(labels, "priority", p));
         Self {
             queue_depth: [
                 by_priority("high"),

@@ -72,8 +72,7 @@ impl UpstreamError {
 
     /// Counts this error for the worker `labels` name.
     pub fn count(&self, labels: &[(&'static str, String)]) {
-        let mut with_kind = labels.to_vec();
-        with_kind.push(("kind", self.kind().to_string()));
+        let with_kind = crate::series::with_label(labels, "kind", self.kind());
         metrics::counter!("tokenmesh_worker_upstream_errors_total", &with_kind).increment(1);
     }
 }

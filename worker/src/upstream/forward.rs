@@ -7,6 +7,7 @@ use super::error::UpstreamError;
 use super::sse::SseParser;
 use super::UpstreamKind;
 use crate::scheduler::{EngineStats, Event, Finish, SequenceRequest};
+use crate::series::with_label;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use metrics::{Counter, Histogram};
@@ -47,22 +48,17 @@ pub(super) struct UpstreamSeries {
 impl UpstreamSeries {
     /// The series for `labels`, in the recorder installed now.
     pub fn new(labels: Vec<(&'static str, String)>) -> Self {
-        let with = |key: &'static str, value: &str| {
-            let mut l = labels.clone();
-            l.push((key, value.to_string()));
-            l
-        };
-        let part = |p: &str| {
+        let part = |p| {
             metrics::histogram!(
                 "tokenmesh_worker_upstream_first_token_seconds",
-                &with("part", p)
+                &with_label(&labels, "part", p)
             )
         };
         Self {
             first_token: [part("prepare"), part("completion"), part("worker")],
             ids_missing: metrics::counter!(
                 "tokenmesh_worker_upstream_gaps_total",
-                &with("kind", "token_ids_missing")
+                &with_label(&labels, "kind", "token_ids_missing")
             ),
             labels,
         }
