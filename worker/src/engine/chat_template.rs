@@ -16,7 +16,8 @@
 //!
 //! The render passes what `apply_chat_template` passes: `messages` (each a
 //! `{role, content}` dict with string content), `tools` and `documents` as
-//! none, `add_generation_prompt`, `bos_token`, `eos_token`.
+//! Python's None (not iterable, unlike minijinja's none; see [`py_none`]),
+//! `add_generation_prompt`, `bos_token`, `eos_token`.
 //! worker/tests/chat_templates.rs checks the output against Python's jinja2
 //! on llama.cpp's collection of real templates.
 use candle_core::quantized::gguf_file::{Content, Value as GgufValue};
@@ -28,6 +29,7 @@ use std::fmt::Write;
 use std::sync::Arc;
 
 mod generation;
+mod py_none;
 pub mod pyjson;
 
 /// The GGUF key holding the template.
@@ -126,6 +128,8 @@ impl ChatTemplate {
         env.add_test("iterable", |v: &Value| {
             !v.is_none() && !v.is_undefined() && v.try_iter().is_ok()
         });
+        env.add_test("none", py_none::test_none);
+        py_none::register_sequence_filters(&mut env);
         let source = generation::rewrite_generation_tags(source).into_owned();
         env.add_template_owned(NAME, source)
             .map_err(TemplateError::Compile)?;
@@ -155,8 +159,8 @@ impl ChatTemplate {
                 messages,
                 // apply_chat_template passes these as None when not given;
                 // templates test `tools is not none`.
-                tools => Value::from(()),
-                documents => Value::from(()),
+                tools => py_none::value(),
+                documents => py_none::value(),
                 add_generation_prompt,
                 bos_token => self.bos_token.as_str(),
                 eos_token => self.eos_token.as_str(),
@@ -333,9 +337,38 @@ mod tests {
     fn tools_is_none_and_generation_tags_render_their_body() {
         let src =
             "{% if tools is not none %}tools{% endif %}{% if tools is defined %}defined{% endif %}\
+                   {% if not tools %}|falsy {{ tools }} {{ documents | tojson }}|{% endif %}\
                    {%- generation -%} x {%- endgeneration %}";
         let t = ChatTemplate::new(src, None, None).unwrap();
-        assert_eq!(t.render(&[], false).unwrap(), "definedx");
+        assert_eq!(t.render(&[], false).unwrap(), "defined|falsy None null|x");
+    }
+
+    #[test]
+    fn looping_over_absent_tools_fails_as_in_python() {
+        for src in [
+            "{% for t in tools %}{{ t }}{% endfor %}",
+            "{{ tools | length }}",
+            "{{ documents | join(', ') }}",
+        ] {
+            let t = ChatTemplate::new(src, None, None).unwrap();
+            let err = t.render(&[], false).unwrap_err();
+            assert!(matches!(err, TemplateError::Render(_)), "{src}: {err}");
+        }
+        let guarded = "{% if tools is iterable %}{{ tools | length }}{% else %}none{% endif %}\
+                       {% if tools is none %}!{% endif %}";
+        let t = ChatTemplate::new(guarded, None, None).unwrap();
+        assert_eq!(t.render(&[], false).unwrap(), "none!");
+        // jinja2's sequence filters give nothing for a falsy value.
+        let filtered = "{{ tools | selectattr('type', 'equalto', 'x') | list | length }}\
+                        {{ tools | rejectattr('type') | list }}{{ documents | map(attribute='t') | list }}\
+                        {{ tools | select | list }}{{ tools | reject('none') | list }}\
+                        {{ messages | map(attribute='role') | join(',') }}";
+        let t = ChatTemplate::new(filtered, None, None).unwrap();
+        assert_eq!(
+            t.render(&[turn("user", "a"), turn("assistant", "b")], false)
+                .unwrap(),
+            "0[][][][]user,assistant"
+        );
     }
 
     #[test]

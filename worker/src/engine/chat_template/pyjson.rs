@@ -163,6 +163,10 @@ fn encode(value: &Value, opts: &DumpOptions, level: usize, out: &mut String) -> 
             format!("tojson: nested deeper than {MAX_DEPTH} levels"),
         ));
     }
+    if super::py_none::is(value) {
+        out.push_str("null");
+        return Ok(());
+    }
     match value.kind() {
         ValueKind::None => out.push_str("null"),
         ValueKind::Bool => out.push_str(if value.is_true() { "true" } else { "false" }),
