@@ -252,4 +252,43 @@ mod tests {
             }
         }
     }
+
+    /// The AVX2 head attention (four slots at a time, dims in registers)
+    /// gives the same bits as one slot and one dim at a time, for head
+    /// sizes below, at and above the 64 dims it keeps in registers.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn simd_head_attention_has_the_bits_of_one_slot_at_a_time() {
+        if !CpuKernels::default().simd() {
+            return;
+        }
+        let f = |i: usize| (((i * 7919 + 13) % 1009) as f32 / 1009.0 - 0.5) * 3.0;
+        for hd in [8, 64, 96, 128] {
+            let stride = 2 * hd;
+            let slots_total = 40;
+            let keys: Vec<f32> = (0..slots_total * stride).map(f).collect();
+            let values: Vec<f32> = (0..slots_total * stride).map(|i| f(i + 5)).collect();
+            let q: Vec<f32> = (0..hd).map(|i| f(i + 77)).collect();
+            let order: Vec<usize> = (0..slots_total).map(|i| (i * 17) % slots_total).collect();
+            for n in 1..=13 {
+                let kv = KvHead {
+                    keys: &keys,
+                    values: &values,
+                    slots: &order[..n * 3 % slots_total + 1],
+                    stride,
+                    off: hd,
+                };
+                let (mut a, mut b) = (vec![0f32; hd], vec![0f32; hd]);
+                let (mut sa, mut sb) = (Vec::new(), Vec::new());
+                // SAFETY: the CPU has AVX2 and FMA (checked above), hd is a
+                // multiple of 8, every slot's range is inside the arrays.
+                unsafe {
+                    super::super::x86::head_attention(&q, kv, 0.125, &mut sa, &mut a);
+                    super::super::x86::head_attention_by_slot(&q, kv, 0.125, &mut sb, &mut b);
+                }
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&a), bits(&b), "head size {hd}, {n} slots");
+            }
+        }
+    }
 }

@@ -846,7 +846,29 @@ pub unsafe fn silu_mul_block(g: &[f32], u: &[f32], out: &mut [f32; 32]) {
     }
 }
 
+/// The horizontal sums of four vectors, each summed in [`hsum`]'s order
+/// (so each equals `hsum` of its vector, bit for bit).
+#[inline(always)]
+unsafe fn hsum4(v: [__m256; 4]) -> __m128 {
+    let half = |v: __m256| _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let (b0, b1, b2, b3) = (half(v[0]), half(v[1]), half(v[2]), half(v[3]));
+    // Transpose: r_e holds element e of each b.
+    let t0 = _mm_unpacklo_ps(b0, b1);
+    let t1 = _mm_unpacklo_ps(b2, b3);
+    let t2 = _mm_unpackhi_ps(b0, b1);
+    let t3 = _mm_unpackhi_ps(b2, b3);
+    let r0 = _mm_movelh_ps(t0, t1);
+    let r1 = _mm_movehl_ps(t1, t0);
+    let r2 = _mm_movelh_ps(t2, t3);
+    let r3 = _mm_movehl_ps(t3, t2);
+    // hsum's (b0 + b2) + (b1 + b3).
+    _mm_add_ps(_mm_add_ps(r0, r2), _mm_add_ps(r1, r3))
+}
+
 /// One query head's attention over the slots of `kv`; `scores` is scratch.
+/// Four slots' dot products at a time (four independent chains instead of
+/// one), and the output's dims kept in registers across the slots; every
+/// sum is in the same order as one slot and one dim at a time.
 ///
 /// # Safety
 /// The CPU must have AVX2 and FMA; `q.len()` (the head size) is a multiple
@@ -854,6 +876,79 @@ pub unsafe fn silu_mul_block(g: &[f32], u: &[f32], out: &mut [f32; 32]) {
 /// holds `q.len()` values.
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn head_attention(
+    q: &[f32],
+    kv: KvHead<'_>,
+    scale: f32,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    let hd = q.len();
+    let n = kv.slots.len();
+    scores.clear();
+    // Whole vectors, padded; the padding is never read back.
+    scores.resize(n.div_ceil(8) * 8, f32::NEG_INFINITY);
+    let qp = q.as_ptr();
+    let sp = scores.as_mut_ptr();
+    let mut quads = kv.slots.chunks_exact(4);
+    let mut i = 0;
+    for quad in quads.by_ref() {
+        let k: [*const f32; 4] = std::array::from_fn(|s| kv.keys.as_ptr().add(kv.at(quad[s])));
+        let mut acc = [_mm256_setzero_ps(); 4];
+        for j in (0..hd).step_by(8) {
+            let qv = _mm256_loadu_ps(qp.add(j));
+            for s in 0..4 {
+                acc[s] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[s].add(j)), acc[s]);
+            }
+        }
+        _mm_storeu_ps(sp.add(i), _mm_mul_ps(hsum4(acc), _mm_set1_ps(scale)));
+        i += 4;
+    }
+    for &slot in quads.remainder() {
+        let k = kv.keys.as_ptr().add(kv.at(slot));
+        let mut acc = _mm256_setzero_ps();
+        for j in (0..hd).step_by(8) {
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(j)), _mm256_loadu_ps(k.add(j)), acc);
+        }
+        *sp.add(i) = hsum(acc) * scale;
+        i += 1;
+    }
+    let max = scores[..n].iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+    let mv = _mm256_set1_ps(max);
+    for c in scores.chunks_exact_mut(8) {
+        let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(c.as_ptr()), mv));
+        _mm256_storeu_ps(c.as_mut_ptr(), e);
+    }
+    let total: f32 = scores[..n].iter().sum();
+    let inv = _mm256_set1_ps(1.0 / total);
+    // Up to eight vectors of output dims in registers, over all the slots.
+    const DIMS: usize = 64;
+    let o = out.as_mut_ptr();
+    for d0 in (0..hd).step_by(DIMS) {
+        let width = (hd - d0).min(DIMS) / 8;
+        let mut acc = [_mm256_setzero_ps(); DIMS / 8];
+        for (&slot, &p) in kv.slots.iter().zip(&scores[..n]) {
+            let v = kv.values.as_ptr().add(kv.at(slot) + d0);
+            let pv = _mm256_set1_ps(p);
+            for (c, acc) in acc.iter_mut().enumerate().take(width) {
+                *acc = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v.add(8 * c)), *acc);
+            }
+        }
+        for (c, acc) in acc.iter().enumerate().take(width) {
+            _mm256_storeu_ps(o.add(d0 + 8 * c), _mm256_mul_ps(*acc, inv));
+        }
+    }
+}
+
+/// [`head_attention`] as it was, one slot and one dim at a time through
+/// memory: the reference its bits must equal.
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA; `q.len()` (the head size) is a multiple
+/// of 8, every slot's range is inside `kv.keys` and `kv.values`, and `out`
+/// holds `q.len()` values.
+#[cfg(test)]
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn head_attention_by_slot(
     q: &[f32],
     kv: KvHead<'_>,
     scale: f32,
