@@ -4,7 +4,7 @@
 //! written straight into those formats, rows spread over the compute threads.
 use super::kernels::CpuKernels;
 use super::matmul::{Acts, Needs};
-use super::quant::{self, BlockQ8A, QK, QK_K};
+use super::quant::{self, BlockQ8A, BlockQ8K, QK, QK_K};
 use super::threads::{ComputePool, Parts};
 
 /// One block of activations quantized, with the SIMD kernel where it runs.
@@ -17,6 +17,18 @@ fn quantize_block(kernels: CpuKernels, x: &[f32]) -> BlockQ8A {
     #[cfg(not(target_arch = "x86_64"))]
     let _ = kernels;
     quant::quantize_block(x)
+}
+
+/// One K block of activations quantized, with the SIMD kernel where it runs.
+fn quantize_block_k(kernels: CpuKernels, x: &[f32]) -> BlockQ8K {
+    #[cfg(target_arch = "x86_64")]
+    if kernels.simd() {
+        // SAFETY: the CPU has AVX2 and FMA; x holds a whole block.
+        return unsafe { super::x86::quantize_block_k(x) };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = kernels;
+    quant::quantize_block_k(x)
 }
 
 /// Fills `out` with `rows` rows of `width` values in the formats `needs`
@@ -67,7 +79,7 @@ fn fill(
                         width / QK_K,
                     );
                     for (b, v) in blocks.iter_mut().zip(row.chunks_exact(QK_K)) {
-                        *b = quant::quantize_block_k(v);
+                        *b = quantize_block_k(kernels, v);
                     }
                 }
             }
@@ -156,6 +168,29 @@ mod tests {
     fn fused_rows_match_their_definitions() {
         for kernels in [CpuKernels::default(), CpuKernels::portable()] {
             fused_rows_match_with(&ComputePool::new(2, kernels).unwrap());
+        }
+    }
+
+    /// The SIMD quantizers give the portable ones' bits, ties (halves after
+    /// scaling, rounded to even) and all-zero blocks included.
+    #[test]
+    fn simd_quantizers_round_as_the_portable_ones() {
+        let simd = CpuKernels::default();
+        // 127 as the largest magnitude makes the scale 1, so the halves
+        // below are exact ties.
+        let mut x: Vec<f32> = (0..QK_K)
+            .map(|i| (i as f32 - 128.0) / 2.0 + if i % 7 == 0 { 0.3 } else { 0.0 })
+            .collect();
+        x[5] = -127.0;
+        let zeros = vec![0f32; QK_K];
+        let scaled: Vec<f32> = x.iter().map(|v| v * 0.013).collect();
+        for v in [&x, &zeros, &scaled] {
+            let (a, b) = (quantize_block_k(simd, v), quant::quantize_block_k(v));
+            assert_eq!((a.d.to_bits(), a.qs, a.bsums), (b.d.to_bits(), b.qs, b.bsums));
+            for c in v.chunks_exact(QK) {
+                let (a, b) = (quantize_block(simd, c), quant::quantize_block(c));
+                assert_eq!((a.d.to_bits(), a.qs, a.sum), (b.d.to_bits(), b.qs, b.sum));
+            }
         }
     }
 

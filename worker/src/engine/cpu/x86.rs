@@ -12,7 +12,7 @@
 use super::attention::KvHead;
 use super::quant::{
     self, Bf16Bits, BlockQ4K, BlockQ4_0x8, BlockQ4_1x8, BlockQ5K, BlockQ5_0x8, BlockQ5_1x8,
-    BlockQ6K, BlockQ8A, BlockQ8K, BlockQ8_0x8, F16Bits,
+    BlockQ6K, BlockQ8A, BlockQ8K, BlockQ8_0x8, F16Bits, QK_K,
 };
 use std::arch::x86_64::*;
 use std::ops::Range;
@@ -743,20 +743,9 @@ pub fn vnni_supported() -> bool {
     supported() && is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl")
 }
 
-/// Quantizes 32 values to one activation block (round half to even, as
-/// `quant::quantize_block` does).
-///
-/// # Safety
-/// The CPU must have AVX2 and FMA; `x` holds at least 32 values.
-#[target_feature(enable = "avx2,fma")]
-pub unsafe fn quantize_block(x: &[f32]) -> BlockQ8A {
-    let p = x.as_ptr();
-    let v = [
-        _mm256_loadu_ps(p),
-        _mm256_loadu_ps(p.add(8)),
-        _mm256_loadu_ps(p.add(16)),
-        _mm256_loadu_ps(p.add(24)),
-    ];
+/// The largest magnitude of the lanes of `v`.
+#[inline(always)]
+unsafe fn abs_max(v: &[__m256]) -> f32 {
     let sign = _mm256_set1_ps(-0.0);
     let mut amax = _mm256_andnot_ps(sign, v[0]);
     for x in &v[1..] {
@@ -765,14 +754,51 @@ pub unsafe fn quantize_block(x: &[f32]) -> BlockQ8A {
     let m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
     let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
     let m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
-    let d = _mm_cvtss_f32(m) / 127.0;
-    let id = _mm256_set1_ps(if d != 0.0 { 1.0 / d } else { 0.0 });
-    let q = v.map(|x| {
+    _mm_cvtss_f32(m)
+}
+
+/// 32 values times `id`, rounded half to even: as i32 lanes, and packed to
+/// 32 bytes in order.
+#[inline(always)]
+unsafe fn round_pack32(v: &[__m256], id: __m256) -> ([__m256i; 4], __m256i) {
+    let q: [__m256i; 4] = std::array::from_fn(|i| {
         _mm256_cvtps_epi32(_mm256_round_ps(
-            _mm256_mul_ps(x, id),
+            _mm256_mul_ps(v[i], id),
             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
         ))
     });
+    // The packs work per 128-bit lane, so restore the element order with a
+    // final dword permutation.
+    let w16 = [
+        _mm256_packs_epi32(q[0], q[1]),
+        _mm256_packs_epi32(q[2], q[3]),
+    ];
+    let b8 = _mm256_packs_epi16(w16[0], w16[1]);
+    let b8 = _mm256_permutevar8x32_epi32(b8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    (q, b8)
+}
+
+/// `1 / d`, or 0 for an all-zero block.
+#[inline(always)]
+fn inverse(d: f32) -> f32 {
+    if d != 0.0 {
+        1.0 / d
+    } else {
+        0.0
+    }
+}
+
+/// Quantizes 32 values to one activation block (round half to even, as
+/// `quant::quantize_block` does).
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA; `x` holds at least 32 values.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn quantize_block(x: &[f32]) -> BlockQ8A {
+    let p = x.as_ptr();
+    let v: [__m256; 4] = std::array::from_fn(|i| _mm256_loadu_ps(p.add(8 * i)));
+    let d = abs_max(&v) / 127.0;
+    let (q, b8) = round_pack32(&v, _mm256_set1_ps(inverse(d)));
     let total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
     let t = _mm_add_epi32(
         _mm256_castsi256_si128(total),
@@ -781,14 +807,6 @@ pub unsafe fn quantize_block(x: &[f32]) -> BlockQ8A {
     let t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0b01_00_11_10));
     let t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0b10_11_00_01));
     let sum = _mm_cvtsi128_si32(t);
-    // Pack 32 i32 to 32 i8; the packs work per 128-bit lane, so restore
-    // the element order with a final dword permutation.
-    let w16 = [
-        _mm256_packs_epi32(q[0], q[1]),
-        _mm256_packs_epi32(q[2], q[3]),
-    ];
-    let b8 = _mm256_packs_epi16(w16[0], w16[1]);
-    let b8 = _mm256_permutevar8x32_epi32(b8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     let mut out = BlockQ8A {
         d,
         s: d * sum as f32,
@@ -796,6 +814,36 @@ pub unsafe fn quantize_block(x: &[f32]) -> BlockQ8A {
         ..Default::default()
     };
     _mm256_storeu_si256(out.qs.as_mut_ptr() as *mut __m256i, b8);
+    out
+}
+
+/// Quantizes 256 values to one K activation block (as
+/// `quant::quantize_block_k` does, bit for bit).
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA; `x` holds at least 256 values.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn quantize_block_k(x: &[f32]) -> BlockQ8K {
+    let p = x.as_ptr();
+    let v: [__m256; QK_K / 8] = std::array::from_fn(|i| _mm256_loadu_ps(p.add(8 * i)));
+    let d = abs_max(&v) / 127.0;
+    let id = _mm256_set1_ps(inverse(d));
+    let mut out = BlockQ8K {
+        d,
+        ..Default::default()
+    };
+    for (c, v) in v.chunks_exact(4).enumerate() {
+        let (q, b8) = round_pack32(v, id);
+        _mm256_storeu_si256(out.qs.as_mut_ptr().add(32 * c) as *mut __m256i, b8);
+        // Sums of 16: the first two and the last two vectors of eight.
+        for (h, pair) in q.chunks_exact(2).enumerate() {
+            let t = _mm256_add_epi32(pair[0], pair[1]);
+            let t = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+            let t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0b01_00_11_10));
+            let t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0b10_11_00_01));
+            out.bsums[2 * c + h] = _mm_cvtsi128_si32(t) as i16;
+        }
+    }
     out
 }
 
