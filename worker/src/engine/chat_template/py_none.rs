@@ -53,50 +53,39 @@ pub fn test_none(v: &Value) -> bool {
 pub fn register_sequence_filters(env: &mut Environment<'static>) {
     use minijinja::filters;
     type Args = Rest<ValueOrKwargs>;
-    type Out = Result<Vec<Value>, Error>;
-    env.add_filter(
-        "map",
-        |state: &mut State, value: Value, args: Args| -> Out {
-            if is(&value) {
-                return Ok(Vec::new());
-            }
-            filters::map(state, value, args)
-        },
-    );
-    env.add_filter(
-        "select",
-        |state: &mut State, value: Value, test: Option<String>, args: Args| -> Out {
-            if is(&value) {
-                return Ok(Vec::new());
-            }
-            filters::select(state, value, test.map(Into::into), args)
-        },
-    );
-    env.add_filter(
-        "reject",
-        |state: &mut State, value: Value, test: Option<String>, args: Args| -> Out {
-            if is(&value) {
-                return Ok(Vec::new());
-            }
-            filters::reject(state, value, test.map(Into::into), args)
-        },
-    );
-    env.add_filter(
+    type Test = Option<String>;
+    macro_rules! nothing_for_none {
+        ($name:literal, |$state:ident, $value:ident $(, $arg:ident: $ty:ty)*| $body:expr) => {
+            env.add_filter(
+                $name,
+                |$state: &mut State, $value: Value $(, $arg: $ty)*| -> Result<Vec<Value>, Error> {
+                    if is(&$value) {
+                        return Ok(Vec::new());
+                    }
+                    $body
+                },
+            );
+        };
+    }
+    nothing_for_none!("map", |state, value, args: Args| filters::map(
+        state, value, args
+    ));
+    nothing_for_none!("select", |state, value, test: Test, args: Args| {
+        filters::select(state, value, test.map(Into::into), args)
+    });
+    nothing_for_none!("reject", |state, value, test: Test, args: Args| {
+        filters::reject(state, value, test.map(Into::into), args)
+    });
+    nothing_for_none!(
         "selectattr",
-        |state: &mut State, value: Value, attr: String, test: Option<String>, args: Args| -> Out {
-            if is(&value) {
-                return Ok(Vec::new());
-            }
+        |state, value, attr: String, test: Test, args: Args| {
             filters::selectattr(state, value, attr.into(), test.map(Into::into), args)
-        },
+        }
     );
-    env.add_filter(
+    nothing_for_none!(
         "rejectattr",
-        |state: &mut State, value: Value, attr: String, test: Option<String>, args: Args| -> Out {
-            if is(&value) {
-                return Ok(Vec::new());
-            }
+        |state, value, attr: String, test: Test, args: Args| {
             filters::rejectattr(state, value, attr.into(), test.map(Into::into), args)
-        },
+        }
     );
 }
