@@ -224,9 +224,8 @@ fn judge(step: &Step, ours: u32, exact: &[f32], tie: f32, what: &str, p: &[f32])
 
 /// Teacher-forced and free-running comparison of `backend` with `steps`,
 /// the continuation of `prompt`, and `exact`, the exact pass's distribution
-/// at each step. Panics on a pick the exact pass favours the other token
-/// over by more than `tie`, or (with `max_drift`) a probability too far from
-/// llama.cpp's.
+/// at each step. Panics on a pick [`judge`] rejects, or (with `max_drift`)
+/// a probability too far from llama.cpp's.
 #[allow(clippy::too_many_arguments)]
 fn compare(
     backend: &Backend,

@@ -186,7 +186,10 @@ mod tests {
         let scaled: Vec<f32> = x.iter().map(|v| v * 0.013).collect();
         for v in [&x, &zeros, &scaled] {
             let (a, b) = (quantize_block_k(simd, v), quant::quantize_block_k(v));
-            assert_eq!((a.d.to_bits(), a.qs, a.bsums), (b.d.to_bits(), b.qs, b.bsums));
+            assert_eq!(
+                (a.d.to_bits(), a.qs, a.bsums),
+                (b.d.to_bits(), b.qs, b.bsums)
+            );
             for c in v.chunks_exact(QK) {
                 let (a, b) = (quantize_block(simd, c), quant::quantize_block(c));
                 assert_eq!((a.d.to_bits(), a.qs, a.sum), (b.d.to_bits(), b.qs, b.sum));
