@@ -31,6 +31,7 @@ import numpy as np
 
 import gguf
 from gguf import GGUFReader, GGUFValueType
+from tiny_gguf import field_value
 
 # llama.cpp's rotation layout per architecture (llama_model_rope_type).
 ROPE_NEOX = {"qwen2": True, "qwen3": True, "phi3": True, "llama": False}
@@ -38,14 +39,11 @@ ROPE_NEOX = {"qwen2": True, "qwen3": True, "phi3": True, "llama": False}
 
 def metadata(reader):
     """Scalar metadata as plain Python values."""
-    out = {}
-    for field in reader.fields.values():
-        kind = field.types[0] if field.types else None
-        if kind is None or kind == GGUFValueType.ARRAY:
-            continue
-        part = field.parts[field.data[0]]
-        out[field.name] = bytes(part).decode("utf-8") if kind == GGUFValueType.STRING else part[0].item()
-    return out
+    return {
+        f.name: field_value(f)[0]
+        for f in reader.fields.values()
+        if f.types and f.types[0] != GGUFValueType.ARRAY
+    }
 
 
 def tensors(reader):

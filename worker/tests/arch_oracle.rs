@@ -16,34 +16,29 @@
 //!   `MEAN_VS_LLAMA_CPP` and `MAX_VS_LLAMA_CPP` times llama.cpp's own (plus
 //!   `DRIFT_SLACK`);
 //! - where our token differs from llama.cpp's (teacher-forced, or where the
-//!   free-running continuations part), llama.cpp had the two within
-//!   `NEAR_TIE` (the reference test's near-tie), or the exact pass favours
-//!   llama.cpp's by at most llama.cpp's own largest difference from it on
-//!   the file plus `NEAR_TIE`: a pick that close is one an engine rounding
-//!   activations to 8 bits, as llama.cpp does, can make. How often the exact
-//!   pass favoured our pick is printed.
+//!   free-running continuations part), [`judge::judge`] accepts it:
+//!   llama.cpp had the two near-tied, or the exact pass favours llama.cpp's
+//!   by at most llama.cpp's own largest difference from it on the file plus
+//!   the near-tie (a pick an engine rounding activations to 8 bits, as
+//!   llama.cpp does, can make). How often the exact pass favoured our pick
+//!   is printed.
 //!
 //! Needs `TOKENMESH_LLAMA_CPP` (sources with gguf-py, and the binaries),
 //! `TOKENMESH_PYTHON` with numpy (else `python3`) and the test model.
 mod common;
 
-use common::{
-    exact_pass, forward_one, llama_server, model_path, probs, python_with_gguf, run, Drift,
-};
-use serde_json::{json, Value};
+use common::judge::{self, exact_pass, llama_cpp_drift, llama_cpp_steps, Comparison, Step};
+use common::{forward_one, llama_server, model_path, probs, python_with_gguf, run};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
-use tokenmesh_tests::{llama_cpp_bin, post_json, Proc};
+use tokenmesh_tests::{llama_cpp_bin, Proc};
 use tokenmesh_worker::engine::backend::{Backend, LoadOptions};
 use tokenmesh_worker::engine::candle::CandleLlama;
 use tokenmesh_worker::engine::kv::KvCache;
 use tokenmesh_worker::engine::sampling::argmax;
 use tokenmesh_worker::engine::CpuKernels;
 
-/// Two tokens count as a near-tie when their probabilities differ by at
-/// most this (the rule of tests/reference.rs).
-const NEAR_TIE: f32 = 0.06;
 /// Largest difference allowed between our probability of a token in
 /// llama.cpp's top `N_PROBS` and llama.cpp's, on the F32 file, where both
 /// backends and llama.cpp compute in f32 (measured: under 0.00002). A wrong
@@ -113,119 +108,19 @@ fn start_server(model: &Path, dir: &Path, name: &str) -> (Proc, String) {
     llama_server(model, dir, name, &args, Duration::from_secs(60))
 }
 
-/// One step of llama.cpp's continuation: its token and its top tokens with
-/// their probabilities.
-struct Step {
-    token: u32,
-    top: Vec<(u32, f32)>,
-}
-
-impl Step {
-    fn prob(&self, t: u32) -> Option<f32> {
-        self.top.iter().find(|e| e.0 == t).map(|e| e.1)
-    }
-}
-
-/// llama.cpp's greedy continuation of `prompt`.
-fn llama_cpp_steps(url: &str, prompt: &[u32]) -> Vec<Step> {
-    let body = json!({
-        "prompt": prompt,
-        "n_predict": STEPS,
-        "n_probs": N_PROBS,
-        "temperature": 0.0,
-        "top_k": 1,
-        "ignore_eos": true,
-        "cache_prompt": false,
-    });
-    let (code, reply) = post_json(&format!("{url}/completion"), &body.to_string(), &[]);
-    assert_eq!(code, 200, "llama-server /completion: {reply}");
-    assert_eq!(
-        reply["tokens_evaluated"].as_u64(),
-        Some(prompt.len() as u64),
-        "llama-server evaluated the prompt ids as given: {reply}"
-    );
-    let id = |v: &Value| v["id"].as_u64().expect("token id") as u32;
-    let steps: Vec<Step> = reply["completion_probabilities"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no completion_probabilities: {reply}"))
-        .iter()
-        .map(|s| Step {
-            token: id(s),
-            top: s["top_logprobs"]
-                .as_array()
-                .expect("top_logprobs")
-                .iter()
-                .map(|e| (id(e), e["logprob"].as_f64().unwrap().exp() as f32))
-                .collect(),
-        })
-        .collect();
-    assert_eq!(steps.len(), STEPS, "llama.cpp's steps: {reply}");
-    for s in &steps {
-        // Greedy: the emitted token is llama.cpp's own most probable one, so
-        // the probabilities compared are the ones its choice came from.
-        assert_eq!(s.token, s.top[0].0, "llama.cpp's greedy token is its top");
-    }
-    steps
-}
-
-/// How one backend compared with llama.cpp and the exact pass over a case's
-/// prompts.
+/// How one backend compared over a case's prompts: teacher-forced, and
+/// free-running.
 #[derive(Default)]
 struct Tally {
-    steps: usize,
-    /// Teacher-forced steps where our token was not llama.cpp's.
-    disagreements: usize,
-    /// Of those, where the exact pass favoured our token.
-    exact_sided_ours: usize,
-    /// Largest difference from llama.cpp's probabilities (its top tokens).
-    drift: f32,
-    /// Differences from the exact pass's probabilities of llama.cpp's top
-    /// tokens: ours and llama.cpp's.
-    ours_exact: Drift,
-    llama_cpp_exact: Drift,
+    forced: Comparison,
     free_agreed: usize,
     free_steps: usize,
 }
 
-/// llama.cpp's differences from the exact pass over a file's steps.
-fn llama_cpp_drift(continuations: &[Vec<Step>], exact: &[Vec<Vec<f32>>]) -> Drift {
-    let mut d = Drift::default();
-    for (steps, exact) in continuations.iter().zip(exact) {
-        for (step, e) in steps.iter().zip(exact) {
-            for &(t, q) in &step.top {
-                d.add((q - e[t as usize]).abs());
-            }
-        }
-    }
-    d
-}
-
-/// Where our token `ours` differs from llama.cpp's `step.token`: llama.cpp
-/// had the two within `NEAR_TIE`, or the exact pass favours llama.cpp's by at
-/// most `tie`. True when the exact pass favoured ours.
-fn judge(step: &Step, ours: u32, exact: &[f32], tie: f32, what: &str, p: &[f32]) -> bool {
-    let gap = exact[step.token as usize] - exact[ours as usize];
-    let their_gap = step.top[0].1 - step.prob(ours).unwrap_or(0.0);
-    assert!(
-        their_gap <= NEAR_TIE || gap <= tie,
-        "{what}: we pick {ours} (ours {:.3}, llama.cpp {:.3}, exact {:.3}), llama.cpp picks {} \
-         (ours {:.3}, llama.cpp {:.3}, exact {:.3}): not a near-tie for llama.cpp, and the \
-         exact pass favours its pick by {gap:.3}, more than {tie:.3}",
-        p[ours as usize],
-        step.prob(ours).unwrap_or(0.0),
-        exact[ours as usize],
-        step.token,
-        p[step.token as usize],
-        step.top[0].1,
-        exact[step.token as usize],
-    );
-    gap < 0.0
-}
-
 /// Teacher-forced and free-running comparison of `backend` with `steps`,
 /// the continuation of `prompt`, and `exact`, the exact pass's distribution
-/// at each step. Panics on a pick [`judge`] rejects, or (with `max_drift`)
-/// a probability too far from llama.cpp's.
+/// at each step. Panics on a pick [`judge::judge`] rejects (with `tie`), or
+/// (with `max_drift`) a probability too far from llama.cpp's.
 #[allow(clippy::too_many_arguments)]
 fn compare(
     backend: &Backend,
@@ -242,25 +137,16 @@ fn compare(
     let mut feed = prompt.to_vec();
     for (i, (step, exact)) in steps.iter().zip(exact).enumerate() {
         let p = probs(&forward_one(backend, &mut pool, &feed, &mut cache));
-        let ours = argmax(&p);
-        for &(t, q) in &step.top {
-            let t = t as usize;
-            tally.drift = tally.drift.max((p[t] - q).abs());
-            tally.ours_exact.add((p[t] - exact[t]).abs());
+        if let Err(why) = tally.forced.step(step, exact, &p, tie) {
+            panic!("{what} step {i} (teacher-forced): {why}");
         }
-        if ours != step.token {
-            let what = format!("{what} step {i} (teacher-forced)");
-            tally.disagreements += 1;
-            tally.exact_sided_ours += usize::from(judge(step, ours, exact, tie, &what, &p));
-        }
-        tally.steps += 1;
         feed = vec![step.token];
     }
     if let Some(max_drift) = max_drift {
         assert!(
-            tally.drift <= max_drift,
+            tally.forced.drift <= max_drift,
             "{what}: a top-{N_PROBS} probability differs from llama.cpp's by {:.4}",
-            tally.drift
+            tally.forced.drift
         );
     }
 
@@ -274,8 +160,9 @@ fn compare(
         let p = probs(&forward_one(backend, &mut pool, &feed, &mut cache));
         let ours = argmax(&p);
         if ours != step.token {
-            let what = format!("{what} step {i} (free-running)");
-            judge(step, ours, exact, tie, &what, &p);
+            if let Err(why) = judge::judge(step, ours, exact, tie, &p) {
+                panic!("{what} step {i} (free-running): {why}");
+            }
             break;
         }
         tally.free_agreed += 1;
@@ -352,70 +239,43 @@ fn check(case: &Case) {
     ];
     for (model, quant, backends) in files {
         let (server, url) = start_server(model, dir.path(), &format!("{}-{quant}", case.name));
-        let vocab = backend(model, backends[0].0).vocab_size();
+        let loaded: Vec<(Kind, Option<f32>, Backend)> = backends
+            .iter()
+            .map(|&(kind, max_drift)| (kind, max_drift, backend(model, kind)))
+            .collect();
+        let vocab = loaded[0].2.vocab_size();
         let prompts = prompts(vocab, case.seed);
-        let continuations: Vec<Vec<Step>> =
-            prompts.iter().map(|p| llama_cpp_steps(&url, p)).collect();
+        let continuations: Vec<Vec<Step>> = prompts
+            .iter()
+            .map(|p| llama_cpp_steps(&url, p, STEPS, N_PROBS, false))
+            .collect();
         drop(server);
-        let pairs: Vec<(&[u32], &[Step])> = prompts
-            .iter()
-            .zip(&continuations)
-            .map(|(p, s)| (p.as_slice(), s.as_slice()))
-            .collect();
-        let tokens: Vec<Vec<u32>> = continuations
-            .iter()
-            .map(|steps| steps.iter().map(|s| s.token).collect())
-            .collect();
-        let runs: Vec<(&[u32], &[u32])> = prompts
-            .iter()
-            .zip(&tokens)
-            .map(|(p, t)| (p.as_slice(), t.as_slice()))
-            .collect();
-        let exact = exact_pass(model, dir.path(), &runs, vocab);
+        let exact = exact_pass(model, dir.path(), &prompts, &continuations, vocab);
         let reference = llama_cpp_drift(&continuations, &exact);
-        let tie = NEAR_TIE + reference.max;
-        for &(kind, max_drift) in backends {
-            let ours = backend(model, kind);
+        let tie = judge::tie(&reference);
+        for (kind, max_drift, ours) in &loaded {
             let label = format!("{kind:?} {quant}");
-            let mut tally = Tally {
-                llama_cpp_exact: reference,
-                ..Tally::default()
-            };
-            for (pi, ((prompt, steps), exact)) in pairs.iter().zip(&exact).enumerate() {
+            let mut tally = Tally::default();
+            for (pi, ((prompt, steps), exact)) in
+                prompts.iter().zip(&continuations).zip(&exact).enumerate()
+            {
                 let what = format!("{} {label} prompt {pi} ({} ids)", case.name, prompt.len());
                 compare(
-                    &ours, prompt, steps, exact, max_drift, tie, &what, &mut tally,
+                    ours, prompt, steps, exact, *max_drift, tie, &what, &mut tally,
                 );
             }
-            let (o, r) = (tally.ours_exact, tally.llama_cpp_exact);
             eprintln!(
-                "{} {label}: {} teacher-forced steps, {} disagreements with llama.cpp (the exact \
-                 pass favoured ours at {}); top-{N_PROBS} probabilities' largest difference from \
-                 llama.cpp {:.2e}; from the exact pass: ours mean {:.2e} max {:.2e}, llama.cpp's \
-                 mean {:.2e} max {:.2e}; free-running {} of {} steps agreed",
+                "{} {label}: {}; free-running {} of {} steps agreed",
                 case.name,
-                tally.steps,
-                tally.disagreements,
-                tally.exact_sided_ours,
-                tally.drift,
-                o.mean(),
-                o.max,
-                r.mean(),
-                r.max,
+                tally.forced.summary(&reference),
                 tally.free_agreed,
                 tally.free_steps
             );
-            assert!(
-                o.within(&r, MEAN_VS_LLAMA_CPP, MAX_VS_LLAMA_CPP, DRIFT_SLACK),
-                "{} {label}: our probabilities are further from the exact pass (mean {:.4}, max \
-                 {:.4}) than {MEAN_VS_LLAMA_CPP} x llama.cpp's mean {:.4} or {MAX_VS_LLAMA_CPP} x \
-                 its max {:.4} (+ {DRIFT_SLACK})",
-                case.name,
-                o.mean(),
-                o.max,
-                r.mean(),
-                r.max
-            );
+            let far =
+                tally
+                    .forced
+                    .too_far(&reference, MEAN_VS_LLAMA_CPP, MAX_VS_LLAMA_CPP, DRIFT_SLACK);
+            assert!(far.is_none(), "{} {label}: {}", case.name, far.unwrap());
         }
     }
 }

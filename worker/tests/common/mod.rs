@@ -1,8 +1,10 @@
 //! What the model-backed test binaries share: where the model is, a chat
 //! rendered with its template, one greedy reply through a backend, the
-//! softmax of a logits row, a llama-server to compare with, and the exact
-//! float64 forward pass that judges between the two.
+//! softmax of a logits row, a llama-server to compare with, and (in
+//! [`judge`]) the exact float64 forward pass that judges between the two.
 #![allow(dead_code)] // each test binary uses its own part
+
+pub mod judge;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -156,84 +158,4 @@ pub fn run(cmd: &mut Command, what: &str) {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-}
-
-/// The exact pass (scripts/exact_forward.py: a float64 forward pass of
-/// `model`'s weights, dequantized as stored) over each `(prompt,
-/// continuation)`: per run, the next-token distribution before each token
-/// of the continuation.
-pub fn exact_pass(
-    model: &Path,
-    dir: &Path,
-    runs: &[(&[u32], &[u32])],
-    vocab: usize,
-) -> Vec<Vec<Vec<f32>>> {
-    let sequences: Vec<serde_json::Value> = runs
-        .iter()
-        .map(|(prompt, continuation)| {
-            let tokens: Vec<u32> = prompt.iter().chain(continuation.iter()).copied().collect();
-            serde_json::json!({ "tokens": tokens, "from": prompt.len() })
-        })
-        .collect();
-    let input = dir.join("exact-in.json");
-    let output = dir.join("exact-out.bin");
-    let body = serde_json::json!({ "sequences": sequences }).to_string();
-    std::fs::write(&input, body).unwrap();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/exact_forward.py");
-    run(
-        python_with_gguf()
-            .arg(script)
-            .arg("--model")
-            .arg(model)
-            .arg("--in")
-            .arg(&input)
-            .arg("--out")
-            .arg(&output),
-        "exact_forward.py",
-    );
-    let bytes = std::fs::read(&output).unwrap();
-    let floats: Vec<f32> = bytes
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-        .collect();
-    let want: usize = runs.iter().map(|r| r.1.len()).sum();
-    assert_eq!(
-        floats.len(),
-        want * vocab,
-        "exact_forward.py wrote {} floats, not {want} steps of {vocab}",
-        floats.len()
-    );
-    let mut rows = floats.chunks_exact(vocab).map(<[f32]>::to_vec);
-    runs.iter()
-        .map(|(_, continuation)| rows.by_ref().take(continuation.len()).collect())
-        .collect()
-}
-
-/// The largest and the mean of some absolute differences between two
-/// engines' probabilities.
-#[derive(Default, Clone, Copy, Debug)]
-pub struct Drift {
-    pub max: f32,
-    sum: f64,
-    count: usize,
-}
-
-impl Drift {
-    pub fn add(&mut self, d: f32) {
-        self.max = self.max.max(d);
-        self.sum += f64::from(d);
-        self.count += 1;
-    }
-
-    pub fn mean(&self) -> f32 {
-        (self.sum / self.count.max(1) as f64) as f32
-    }
-
-    /// Whether `self` (ours) is no further from the exact pass than
-    /// `reference` (llama.cpp's), within the factors on the mean and the
-    /// largest difference, plus `slack`.
-    pub fn within(&self, reference: &Drift, mean_factor: f32, max_factor: f32, slack: f32) -> bool {
-        self.mean() <= mean_factor * reference.mean() + slack
-            && self.max <= max_factor * reference.max + slack
-    }
 }

@@ -778,6 +778,15 @@ unsafe fn round_pack32(v: &[__m256], id: __m256) -> ([__m256i; 4], __m256i) {
     (q, b8)
 }
 
+/// The sum of the eight i32 lanes of `v`.
+#[inline(always)]
+unsafe fn hsum_epi32(v: __m256i) -> i32 {
+    let t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    let t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0b01_00_11_10));
+    let t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0b10_11_00_01));
+    _mm_cvtsi128_si32(t)
+}
+
 /// `1 / d`, or 0 for an all-zero block.
 #[inline(always)]
 fn inverse(d: f32) -> f32 {
@@ -799,14 +808,10 @@ pub unsafe fn quantize_block(x: &[f32]) -> BlockQ8A {
     let v: [__m256; 4] = std::array::from_fn(|i| _mm256_loadu_ps(p.add(8 * i)));
     let d = abs_max(&v) / 127.0;
     let (q, b8) = round_pack32(&v, _mm256_set1_ps(inverse(d)));
-    let total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-    let t = _mm_add_epi32(
-        _mm256_castsi256_si128(total),
-        _mm256_extracti128_si256(total, 1),
-    );
-    let t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0b01_00_11_10));
-    let t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0b10_11_00_01));
-    let sum = _mm_cvtsi128_si32(t);
+    let sum = hsum_epi32(_mm256_add_epi32(
+        _mm256_add_epi32(q[0], q[1]),
+        _mm256_add_epi32(q[2], q[3]),
+    ));
     let mut out = BlockQ8A {
         d,
         s: d * sum as f32,
@@ -837,11 +842,7 @@ pub unsafe fn quantize_block_k(x: &[f32]) -> BlockQ8K {
         _mm256_storeu_si256(out.qs.as_mut_ptr().add(32 * c) as *mut __m256i, b8);
         // Sums of 16: the first two and the last two vectors of eight.
         for (h, pair) in q.chunks_exact(2).enumerate() {
-            let t = _mm256_add_epi32(pair[0], pair[1]);
-            let t = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
-            let t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0b01_00_11_10));
-            let t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0b10_11_00_01));
-            out.bsums[2 * c + h] = _mm_cvtsi128_si32(t) as i16;
+            out.bsums[2 * c + h] = hsum_epi32(_mm256_add_epi32(pair[0], pair[1])) as i16;
         }
     }
     out
