@@ -311,6 +311,7 @@ impl RouterConfig {
                 index_pairs: self.worker_choice.prefix_index_entries as usize,
                 ..AffinitySettings::default()
             },
+            phase_spans: self.server.telemetry.trace_phases,
         }
     }
 

@@ -28,7 +28,6 @@ use tonic::body::Body;
 use tonic::metadata::MetadataMap;
 use tonic::server::{NamedService, ServerStreamingService};
 use tonic::{Request, Response, Status};
-use tracing::Instrument;
 
 /// Serves Generate and ListModels from the registry.
 #[derive(Clone)]
@@ -142,11 +141,10 @@ impl InferenceService {
             .filter(|m| m.len() <= MAX_NAME_BYTES)
             .cloned()
             .unwrap_or_default();
-        match self
-            .start(request, span.clone(), unsampled)
-            .instrument(span.clone())
-            .await
-        {
+        // Not instrumented with the span: tracing-opentelemetry ends a span
+        // at its last exit, which would end it with the routing rather than
+        // the stream; log lines name it as their parent.
+        match self.start(request, span.clone(), unsampled).await {
             Ok(r) => Ok(r),
             Err(e) => {
                 let status = e.into_status();

@@ -77,6 +77,14 @@ pub struct TelemetryArgs {
     /// (absent: no such listener).
     #[arg(long, env = "TOKENMESH_METRICS_LISTEN")]
     pub metrics_listen: Option<SocketAddr>,
+    /// Trace each request's phases as spans of their own: on a router, its
+    /// routing (`route`) and each call to a worker (the client span
+    /// `tokenmesh.v1.Worker/Generate`); on a worker, its queue, prefill and
+    /// decode. Without it, one span per request and process (`Generate`)
+    /// carries their fields and times as attributes, which costs a fraction
+    /// of the spans it saves.
+    #[arg(long, env = "TOKENMESH_TRACE_PHASES")]
+    pub trace_phases: bool,
 }
 
 /// A sampling ratio: a number from 0 to 1.

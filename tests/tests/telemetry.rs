@@ -89,15 +89,11 @@ async fn one_trace_crosses_router_and_worker() {
     std::env::set_var("OTEL_BSP_SCHEDULE_DELAY", "100");
     let (receiver, endpoint) = start_receiver().await;
     let dir = tempfile::tempdir().unwrap();
-    // Phases as spans of their own here; the default (their times as
-    // attributes) is checked below and in the tests after this one.
-    let w = real_worker(
-        "w-traced",
-        &["--otlp-endpoint", &endpoint, "--trace-phases"],
-        dir.path(),
-    )
-    .await;
-    let router = static_router(dir.path(), &[&w], &["--otlp-endpoint", &endpoint]).await;
+    // Phases as spans of their own here; the default (their times and
+    // fields as attributes) is checked in the tests after this one.
+    let phases = ["--otlp-endpoint", &endpoint, "--trace-phases"];
+    let w = real_worker("w-traced", &phases, dir.path()).await;
+    let router = static_router(dir.path(), &[&w], &phases).await;
 
     // The client's own trace context is honoured.
     let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
@@ -188,6 +184,18 @@ async fn one_trace_crosses_router_and_worker() {
             .unwrap()
             > 0
     );
+    // The request's span lasts as long as its stream: it starts before the
+    // call that made the worker's span and ends after the worker's decode,
+    // whose last token it relayed (tracing-opentelemetry ends a span at its
+    // last exit, so a span entered only while routing would end there).
+    let decode = find("tokenmesh-worker", "decode");
+    assert!(router_gen.start_time_unix_nano <= worker_gen.start_time_unix_nano);
+    assert!(
+        router_gen.end_time_unix_nano >= decode.end_time_unix_nano,
+        "router Generate ends {} ns before the worker's decode",
+        decode.end_time_unix_nano - router_gen.end_time_unix_nano
+    );
+    assert!(router_gen.end_time_unix_nano >= call.end_time_unix_nano);
     // The first token is an event on the router's span.
     assert!(
         router_gen.events.iter().any(|e| e.name == "first token"),
@@ -344,7 +352,7 @@ async fn an_openai_http_request_continues_the_callers_trace() {
         &body,
     ]);
     assert_eq!(code, 200, "{out}");
-    let spans = spans_of_trace(&receiver, trace_id, &["route"]).await;
+    let spans = spans_of_trace(&receiver, trace_id, &[]).await;
     let router_gen = spans
         .iter()
         .find(|(svc, s)| svc == "tokenmesh-router" && s.name == "Generate")
@@ -493,14 +501,43 @@ async fn a_sampling_ratio_of_zero_keeps_only_the_traces_callers_sampled() {
     // Each process exports its spans in the order they end: once the
     // sampled trace is in from both, any span of the earlier requests
     // would be too.
-    let spans = spans_of_trace(&receiver, trace_id, &["route"]).await;
-    // Without --trace-phases the worker's phases are attributes of its
-    // Generate span, not spans.
+    let spans = spans_of_trace(&receiver, trace_id, &[]).await;
+    // Without --trace-phases the router makes one span per request: its
+    // routing and its call to the worker are attributes of `Generate`, whose
+    // child the worker's span is.
+    let router_spans: Vec<&Span> = spans
+        .iter()
+        .filter(|(svc, _)| svc == "tokenmesh-router")
+        .map(|(_, s)| s)
+        .collect();
+    assert_eq!(
+        router_spans
+            .iter()
+            .map(|s| s.name.as_str())
+            .collect::<Vec<_>>(),
+        ["Generate"]
+    );
+    let router_gen = router_spans[0];
+    for key in [
+        "version",
+        "arm",
+        "worker",
+        "candidates",
+        "reason",
+        "attempts",
+    ] {
+        assert!(
+            !attr_str(router_gen, key).is_empty(),
+            "router Generate lacks {key}"
+        );
+    }
+    // And the worker's phases are attributes of its Generate span.
     let worker_gen = spans
         .iter()
         .find(|(svc, s)| svc == "tokenmesh-worker" && s.name == "Generate")
         .map(|(_, s)| s)
         .unwrap();
+    assert_eq!(worker_gen.parent_span_id, router_gen.span_id);
     for key in ["queue_ms", "prefill_ms", "decode_ms"] {
         match attr(worker_gen, key) {
             Some(Value::DoubleValue(ms)) => assert!(*ms >= 0.0, "{key} = {ms}"),
@@ -577,7 +614,7 @@ async fn single_threaded_servers_stream_export_their_spans_and_stop_at_once() {
         assert_eq!(tokens, 40);
     }
     for i in [0, 7] {
-        spans_of_trace(&receiver, &trace_id(i), &["route"]).await;
+        spans_of_trace(&receiver, &trace_id(i), &[]).await;
     }
 
     // One more request just before the stop: its spans are most likely
@@ -599,5 +636,5 @@ async fn single_threaded_servers_stream_export_their_spans_and_stop_at_once() {
         "stopping took {:?}",
         started.elapsed()
     );
-    spans_of_trace(&receiver, &trace_id(8), &["route"]).await;
+    spans_of_trace(&receiver, &trace_id(8), &[]).await;
 }

@@ -168,13 +168,6 @@ pub struct WorkerConfig {
     )]
     pub prefix_cache: bool,
 
-    /// Trace each request's queue, prefill and decode as spans of their own
-    /// under the worker's Generate span. Without it their times are
-    /// attributes of that span (queue_ms, prefill_ms, decode_ms), which
-    /// costs a fraction of three more spans per request.
-    #[arg(long, env = "TOKENMESH_TRACE_PHASES")]
-    pub trace_phases: bool,
-
     /// A waiting request moves up one priority class per this many
     /// milliseconds, so LOW is never starved.
     #[arg(long, env = "TOKENMESH_PRIORITY_AGING_MS", default_value_t = 2_000)]

@@ -161,7 +161,7 @@ fn scheduler_config(
             .prefix_cache
             .then(|| format!("{model_identity}:{}", cfg.model_version)),
         labels,
-        phase_spans: cfg.trace_phases,
+        phase_spans: cfg.server.telemetry.trace_phases,
     }
 }
 

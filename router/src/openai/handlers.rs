@@ -22,7 +22,7 @@ use tokenmesh_proto::v1::{generate_response::Event, GenerateResponse};
 use tokenmesh_proto::validate::{check_id, check_name, check_request};
 use tonic::metadata::MetadataMap;
 use tonic::{Code, Status};
-use tracing::{Instrument, Span};
+use tracing::Span;
 
 /// Request header: the sticky-session key (beside DESIGN's `x-tokenmesh-session`).
 pub const SESSION_ID: &str = "x-session-id";
@@ -178,9 +178,11 @@ impl AppState {
         let started = Instant::now();
         let trace = request_trace(Api::Openai, &MetadataMap::from_headers(headers.clone()));
         let span = trace.span.clone();
+        // Nothing here is instrumented with the span: tracing-opentelemetry
+        // ends a span at its last exit, and entering it per poll costs per
+        // token; log lines name it as their parent.
         let prepared = self
             .prepare(endpoint, &conn, &headers, body, started, trace)
-            .instrument(span.clone())
             .await;
         let (routed, answer, stream) = match prepared {
             Ok(p) => p,
@@ -188,9 +190,9 @@ impl AppState {
         };
         let request_id = answer.id.split_once('-').map(|(_, id)| id.to_string());
         let mut response = if stream {
-            streamed(routed.stream, answer).instrument(span).await
+            streamed(routed.stream, answer).await
         } else {
-            whole(routed.stream, answer).instrument(span).await
+            whole(routed.stream, answer).await
         };
         let h = response.headers_mut();
         for (name, value) in [

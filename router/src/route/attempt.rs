@@ -61,6 +61,8 @@ pub struct Attempts {
     affinity: RequestAffinity,
     /// The trace context sent to workers for a request with no span.
     unsampled: Option<telemetry::Unsampled>,
+    /// Whether each call gets a client span of its own (`--trace-phases`).
+    phase_spans: bool,
 }
 
 /// What every call to a worker carries from the request.
@@ -69,6 +71,9 @@ pub struct CallContext {
     pub deadline: Option<Instant>,
     /// The trace context sent to workers for a request with no span.
     pub unsampled: Option<telemetry::Unsampled>,
+    /// Whether each call gets a client span of its own (`--trace-phases`);
+    /// without it, calls are recorded on the span they are made under.
+    pub phase_spans: bool,
 }
 
 /// How one call to a worker failed.
@@ -93,6 +98,7 @@ impl Attempts {
         let CallContext {
             deadline,
             unsampled,
+            phase_spans,
         } = call;
         Self {
             registry,
@@ -104,6 +110,7 @@ impl Attempts {
             deadline,
             affinity,
             unsampled,
+            phase_spans,
         }
     }
 
@@ -117,11 +124,18 @@ impl Attempts {
         self.deadline
     }
 
+    /// Whether routings and calls are spans of their own (`--trace-phases`).
+    pub fn phase_spans(&self) -> bool {
+        self.phase_spans
+    }
+
     /// Opens a stream on the best ready worker not tried yet, continuing
     /// after the `emitted` tokens, retrying retryable refusals on others.
     /// Every call but the request's very first is paid from the budget: the
     /// first call of an opening after a failover as `StreamLost`, each retry
     /// as `Refused`; no budget is spent when no worker is left to try.
+    /// `route` is the span the choice is recorded on: the `route` span, or
+    /// the request's `Generate` span without `--trace-phases`.
     pub async fn open(&mut self, emitted: &[u32], route: &Span) -> Result<Upstream, RouterError> {
         let mut last: Option<Status> = None;
         for retry in 0..self.limits.max_attempts.max(1) {
@@ -199,7 +213,9 @@ impl Attempts {
         }
     }
 
-    /// One call to `ep`, counted in its load and in the version's stats.
+    /// One call to `ep`, counted in its load and in the version's stats;
+    /// its trace context is a client span under `route` with
+    /// `--trace-phases`, else `route` itself.
     async fn call(
         &self,
         ep: &Arc<Endpoint>,
@@ -211,7 +227,7 @@ impl Attempts {
         // clients', and two streams may share one.
         let attempt_id = crate::ids::uuid_v4().simple().to_string();
         // No span under a request that has none: it would be a root.
-        let span = if route.is_disabled() {
+        let span = if route.is_disabled() || !self.phase_spans {
             Span::none()
         } else {
             tracing::info_span!(
@@ -232,6 +248,7 @@ impl Attempts {
         });
         match &self.unsampled {
             Some(unsampled) => unsampled.inject(call.metadata_mut()),
+            None if span.is_disabled() => telemetry::inject(route, call.metadata_mut()),
             None => telemetry::inject(&span, call.metadata_mut()),
         }
         if let Some(d) = self.deadline {

@@ -257,7 +257,7 @@ async fn fail_over(
         return None;
     }
     client.failovers += 1;
-    let route = route_span(&ctx.span);
+    let route = route_span(&ctx.span, ctx.attempts.phase_spans());
     route.record("version", ctx.accepted.version.as_str());
     route.record("arm", tracing::field::debug(ctx.accepted.arm()));
     route.record("failover", client.failovers);

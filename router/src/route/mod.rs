@@ -45,7 +45,7 @@ use tokenmesh_runtime::telemetry::{self, Sampling, Unsampled};
 use tokenmesh_runtime::Backoff;
 use tonic::metadata::MetadataMap;
 use tonic::Status;
-use tracing::{Instrument, Span};
+use tracing::Span;
 use version::{choose_version, VersionAsk, VersionChoice};
 
 /// Request-path settings (from the router's flags).
@@ -61,6 +61,9 @@ pub struct RouteSettings {
     pub retry_budget: RetryBudgetConfig,
     /// How a worker of the version is chosen.
     pub affinity: AffinitySettings,
+    /// Routing and each call to a worker as spans of their own
+    /// (`--trace-phases`), rather than attributes of `Generate`.
+    pub phase_spans: bool,
 }
 
 /// Which front door a request came through: the `api` label of the metrics.
@@ -177,6 +180,14 @@ pub fn request_span(api: Api) -> Span {
         worker = tracing::field::Empty,
         trace_id = tracing::field::Empty,
         error = tracing::field::Empty,
+        // The `route` span's, recorded here without `--trace-phases`.
+        policy = tracing::field::Empty,
+        pin = tracing::field::Empty,
+        sticky = tracing::field::Empty,
+        candidates = tracing::field::Empty,
+        reason = tracing::field::Empty,
+        attempts = tracing::field::Empty,
+        failover = tracing::field::Empty,
     );
     span
 }
@@ -210,10 +221,16 @@ pub fn request_trace(api: Api, md: &MetadataMap) -> RequestTrace {
     }
 }
 
-/// A `route` span, child of the request's `Generate` span, with every field
-/// the request path records: one for the first routing, one per failover.
-/// None when the request has no span (a child of none would be a root).
-pub fn route_span(generate: &Span) -> Span {
+/// The span a routing is recorded on. With `phases` (`--trace-phases`), a
+/// `route` span, child of the request's `Generate` span, with every field the
+/// request path records: one for the first routing, one per failover; none
+/// when the request has no span (a child of none would be a root). Without,
+/// `Generate` itself, which declares the same fields: a span fewer per
+/// request, as in proxies that make one span per hop (issue 20).
+pub fn route_span(generate: &Span, phases: bool) -> Span {
+    if !phases {
+        return generate.clone();
+    }
     if generate.is_disabled() {
         return Span::none();
     }
@@ -271,14 +288,16 @@ impl Router {
         if !self.registry.has_model(&incoming.request.model) {
             return Err(self.unknown(&incoming.request.model));
         }
-        let route = route_span(span);
-        route.record("pin", incoming.pin.as_deref().unwrap_or(""));
-        route.record("sticky", incoming.session.is_some());
-        let permit = self
-            .admission
-            .admit(&incoming.identity)
-            .instrument(route.clone())
-            .await?;
+        let route = route_span(span, self.settings.phase_spans);
+        // Each attribute costs a few thousand instructions to record and
+        // export; the usual values (no pin, no session) are left out.
+        if let Some(pin) = &incoming.pin {
+            route.record("pin", pin.as_str());
+        }
+        if incoming.session.is_some() {
+            route.record("sticky", true);
+        }
+        let permit = self.admission.admit(&incoming.identity).await?;
         // After any wait in the queue, on the registry as it is now.
         let choice = self.choose(&incoming, &route, span)?;
         let model = incoming.request.model.clone();
@@ -304,12 +323,16 @@ impl Router {
             CallContext {
                 deadline: incoming.deadline,
                 unsampled: incoming.unsampled,
+                phase_spans: self.settings.phase_spans,
             },
         );
         let upstream = attempts.open(&[], &route).await?;
         drop(route);
         let worker_id = upstream.guard.endpoint().id.clone();
-        span.record("worker", worker_id.as_str());
+        if self.settings.phase_spans {
+            // Without phases, `route` is this span and has it already.
+            span.record("worker", worker_id.as_str());
+        }
         let accepted = Accepted {
             request_id,
             model,
@@ -383,7 +406,13 @@ impl Router {
             session: incoming.session.as_deref(),
         };
         let choice = choose_version(model, &entry, ask, &mut rand::rng())?;
-        for s in [route, span] {
+        // Without phases, `route` is `span`: recorded once.
+        let spans: &[&Span] = if self.settings.phase_spans {
+            &[route, span]
+        } else {
+            &[span]
+        };
+        for s in spans {
             s.record("version", choice.version.as_str());
             s.record("arm", tracing::field::debug(choice.arm));
         }
