@@ -5,13 +5,15 @@
 //! which drives grpc.health and the plaintext probes of [`probes`]), the common flags
 //! ([`args::ServerArgs`]), etcd connections and leases ([`etcd`],
 //! [`lease`]), backoff with jitter ([`backoff`]), the async runtime
-//! ([`scheduler`]) and telemetry set-up ([`telemetry`]). No business logic lives here.
+//! ([`scheduler`]) and telemetry set-up ([`telemetry`], with the metrics
+//! recorder of [`histograms`]). No business logic lives here.
 #![forbid(unsafe_code)]
 
 pub mod args;
 pub mod backoff;
 pub mod edge;
 pub mod etcd;
+pub mod histograms;
 pub mod lease;
 pub mod probes;
 pub mod readiness;

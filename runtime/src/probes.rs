@@ -7,13 +7,13 @@
 //! It accepts only what probes and scrapers send: `GET` or `HEAD`, no body,
 //! headers within a small buffer read within a few seconds, a bounded number
 //! of connections at once, each for a bounded time.
+use crate::histograms::MetricsHandle;
 use crate::readiness::Readiness;
 use http_body_util::Full;
 use hyper::body::{Bytes, Incoming};
 use hyper::header::{HeaderValue, ALLOW, CONNECTION, CONTENT_LENGTH, CONTENT_TYPE};
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
-use metrics_exporter_prometheus::PrometheusHandle;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -51,7 +51,7 @@ impl Probes {
     pub fn listen(
         addr: SocketAddr,
         readiness: Readiness,
-        metrics: Option<PrometheusHandle>,
+        metrics: Option<MetricsHandle>,
     ) -> Result<Self, ProbeError> {
         let err = |source| ProbeError { addr, source };
         let std = std::net::TcpListener::bind(addr).map_err(err)?;
@@ -79,7 +79,7 @@ impl Drop for Probes {
 
 struct State {
     readiness: Readiness,
-    metrics: Option<PrometheusHandle>,
+    metrics: Option<MetricsHandle>,
 }
 
 async fn accept(listener: TcpListener, state: Arc<State>) {

@@ -24,7 +24,8 @@
 //! Metrics are recorded for Prometheus
 //! when `--metrics-listen` is given; the listener itself, which also answers
 //! the health probes, is [`crate::probes`].
-use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use crate::histograms::{MeshRecorder, MetricsHandle};
+use metrics_exporter_prometheus::PrometheusBuilder;
 use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator};
 use opentelemetry::trace::{
     Link, SpanContext, SpanKind, TraceContextExt, TraceFlags, TraceId, TraceState,
@@ -39,7 +40,6 @@ use opentelemetry_sdk::trace::{
 use opentelemetry_sdk::Resource;
 use std::net::SocketAddr;
 use std::sync::OnceLock;
-use std::time::Duration;
 use tonic::metadata::{KeyAndValueRef, MetadataKey, MetadataMap, MetadataValue};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 use tracing_subscriber::layer::SubscriberExt;
@@ -148,15 +148,30 @@ pub const LATENCY_BUCKETS: &[f64] = &[
 /// Batch size buckets.
 pub const BATCH_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0];
 
-/// The process's Prometheus recorder, once [`init`] installed it.
-static METRICS: OnceLock<PrometheusHandle> = OnceLock::new();
+/// The buckets Prometheus' own clients use for a histogram nobody chose
+/// buckets for.
+pub const DEFAULT_BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
 
-/// How often histogram samples are folded into their buckets.
-const METRICS_UPKEEP: Duration = Duration::from_secs(5);
+/// The buckets of the histogram `name`: latencies (`*_seconds`), batch
+/// sizes, else Prometheus' defaults.
+fn buckets(name: &str) -> &'static [f64] {
+    if name.ends_with("_seconds") {
+        LATENCY_BUCKETS
+    } else if name == "llm_batch_size" {
+        BATCH_BUCKETS
+    } else {
+        DEFAULT_BUCKETS
+    }
+}
+
+/// The process's metrics, once [`init`] installed their recorder.
+static METRICS: OnceLock<MetricsHandle> = OnceLock::new();
 
 /// What `/metrics` renders: the recorder [`init`] installed for
 /// `--metrics-listen`, if any (metrics are process-global, like the recorder).
-pub fn metrics_handle() -> Option<PrometheusHandle> {
+pub fn metrics_handle() -> Option<MetricsHandle> {
     METRICS.get().cloned()
 }
 
@@ -226,23 +241,12 @@ pub fn init(service: &str, args: &TelemetryArgs) -> Result<TelemetryGuard, Telem
         .init();
 
     if args.metrics_listen.is_some() {
-        let err =
-            |e: metrics_exporter_prometheus::BuildError| TelemetryError::Metrics(e.to_string());
-        let handle = PrometheusBuilder::new()
-            .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), LATENCY_BUCKETS)
-            .map_err(err)?
-            .set_buckets_for_metric(Matcher::Full("llm_batch_size".into()), BATCH_BUCKETS)
-            .map_err(err)?
-            .install_recorder()
-            .map_err(err)?;
-        let upkeep = handle.clone();
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(METRICS_UPKEEP);
-            loop {
-                tick.tick().await;
-                upkeep.run_upkeep();
-            }
-        });
+        // Histograms are kept apart (`histograms`), so the exporter has no
+        // samples to fold and needs no upkeep task.
+        let recorder = MeshRecorder::new(PrometheusBuilder::new().build_recorder(), buckets);
+        let handle = recorder.handle();
+        metrics::set_global_recorder(recorder)
+            .map_err(|e| TelemetryError::Metrics(e.to_string()))?;
         let _ = METRICS.set(handle);
     }
     Ok(TelemetryGuard { provider })

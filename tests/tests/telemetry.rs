@@ -185,17 +185,18 @@ async fn one_trace_crosses_router_and_worker() {
             > 0
     );
     // The request's span lasts as long as its stream: it starts before the
-    // call that made the worker's span and ends after the worker's decode,
-    // whose last token it relayed (tracing-opentelemetry ends a span at its
-    // last exit, so a span entered only while routing would end there).
+    // call that made the worker's span and ends after the worker's decode
+    // began, since it relayed the stream's end (tracing-opentelemetry ends a
+    // span at its last exit, so a span entered only while routing ended
+    // before the prefill). Only causal orders are checked: the worker ends
+    // its own spans just after it sends the last message.
     let decode = find("tokenmesh-worker", "decode");
     assert!(router_gen.start_time_unix_nano <= worker_gen.start_time_unix_nano);
     assert!(
-        router_gen.end_time_unix_nano >= decode.end_time_unix_nano,
-        "router Generate ends {} ns before the worker's decode",
-        decode.end_time_unix_nano - router_gen.end_time_unix_nano
+        router_gen.end_time_unix_nano >= decode.start_time_unix_nano,
+        "router Generate ends {} ns before the worker's decode begins",
+        decode.start_time_unix_nano - router_gen.end_time_unix_nano
     );
-    assert!(router_gen.end_time_unix_nano >= call.end_time_unix_nano);
     // The first token is an event on the router's span.
     assert!(
         router_gen.events.iter().any(|e| e.name == "first token"),
