@@ -5,7 +5,7 @@
 //!
 //! The tests run on a current-thread runtime, so a thread-local tracing
 //! subscriber sees every span the router makes, and can check the routing
-//! facts written on the `route` spans.
+//! facts written on the `route` spans (`--trace-phases`).
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -28,7 +28,16 @@ use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::Layer;
 
 mod support;
-use support::{router, spawn_router, Router, Worker, MODEL};
+use support::{spawn_router, Router, Worker, MODEL};
+
+/// The support router with `--trace-phases`: the routing facts these tests
+/// check are written on `route` spans and `worker.Generate` client spans,
+/// which are attributes of `Generate` without it.
+async fn router(workers: &[&Worker], extra: &[&str]) -> Router {
+    let mut args = vec!["--trace-phases"];
+    args.extend_from_slice(extra);
+    support::router(workers, &args).await
+}
 
 fn request(max_tokens: u32) -> GenerateRequest {
     GenerateRequest {
