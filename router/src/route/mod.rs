@@ -399,7 +399,7 @@ impl Router {
         // The model may have gone while the request waited for admission.
         let entry = self.known(model)?;
         if let Some(p) = &entry.policy {
-            route.record("policy", tracing::field::debug(p));
+            route.record("policy", version::policy_summary(p).as_str());
         }
         let ask = VersionAsk {
             pin: incoming.pin.as_deref(),

@@ -131,9 +131,48 @@ pub fn has_canary(p: &PolicyRecord) -> bool {
     p.canary.as_ref().is_some_and(|c| c.weight > 0)
 }
 
+/// The policy in a few words, for the routing's span: `stable v1`, then
+/// `canary v2 10%` when it has one, and `sticky` / `no pins` where they
+/// apply. Its `Debug` text, recorded per request before, was several times
+/// longer, and each byte is formatted and exported per request (issue 20).
+pub fn policy_summary(p: &PolicyRecord) -> String {
+    let mut s = format!("stable {}", p.stable);
+    if let Some(c) = p.canary.as_ref().filter(|_| has_canary(p)) {
+        s.push_str(&format!(", canary {} {}%", c.version, c.weight));
+    }
+    if p.sticky {
+        s.push_str(", sticky");
+    }
+    if !p.pin_allowed {
+        s.push_str(", no pins");
+    }
+    s
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_policy_summary_says_what_routes() {
+        let mut p = PolicyRecord {
+            stable: "v1".into(),
+            canary: Some(CanaryPolicy {
+                version: "v2".into(),
+                weight: 10,
+            }),
+            sticky: true,
+            pin_allowed: false,
+        };
+        assert_eq!(
+            policy_summary(&p),
+            "stable v1, canary v2 10%, sticky, no pins"
+        );
+        p.canary.as_mut().unwrap().weight = 0;
+        p.sticky = false;
+        p.pin_allowed = true;
+        assert_eq!(policy_summary(&p), "stable v1");
+    }
 
     #[test]
     fn sticky_point_is_stable_and_spread() {
