@@ -35,14 +35,13 @@ echo "model $MODEL, threads $THREADS, $STREAMS streams, ${DURATION}s, load avera
 printf 'rep\tbinary\ttokens_per_s\tttft_p50_ms\titl_p50_ms\n'
 for rep in $(seq "$REPS"); do
   for bin in $BINS; do
-    port=$(free_port); log=$LOGS/$rep-$(basename "$bin").log
-    "$bin" --insecure --listen "127.0.0.1:$port" --model "$MODEL" --threads "$THREADS" \
-      --max-batch "$MAX_BATCH" >"$log" 2>&1 &
+    port=$(free_port); probes=$(free_port); log=$LOGS/$rep-$(basename "$bin").log
+    "$bin" --insecure --listen "127.0.0.1:$port" --metrics-listen "127.0.0.1:$probes" --model "$MODEL" \
+      --threads "$THREADS" --max-batch "$MAX_BATCH" >"$log" 2>&1 &
     pid=$!
-    # Ready: the log says so and the port accepts connections.
-    for _ in $(seq 600); do grep -aq ready "$log" && break; kill -0 "$pid" || { tail "$log"; exit 1; }; sleep 0.2; done
-    for _ in $(seq 300); do
-      python3 -c 'import socket,sys; socket.create_connection(("127.0.0.1", int(sys.argv[1])), 0.2)' "$port" 2>/dev/null && break
+    # The worker's readiness probe: 200 once its model is loaded and it serves.
+    until curl -sf "http://127.0.0.1:$probes/readyz" >/dev/null; do
+      kill -0 "$pid" 2>/dev/null || { tail "$log"; exit 1; }
       sleep 0.2
     done
     target/release/meshctl bench --direct --target "127.0.0.1:$port" --concurrency "$STREAMS" \

@@ -43,16 +43,17 @@ impl FixedHistogram {
     /// The cumulative count at each bound, then the total count and the sum.
     pub fn snapshot(&self) -> (Vec<u64>, u64, f64) {
         let mut total = 0;
-        let cumulative = self
+        let mut cumulative: Vec<u64> = self
             .counts
             .iter()
             .map(|c| {
                 total += c.load(Relaxed);
                 total
             })
-            .collect::<Vec<_>>();
-        let below_inf = cumulative[..self.bounds.len()].to_vec();
-        (below_inf, total, f64::from_bits(self.sum.load(Relaxed)))
+            .collect();
+        // The last count is the one above every bound: only in the total.
+        cumulative.pop();
+        (cumulative, total, f64::from_bits(self.sum.load(Relaxed)))
     }
 }
 
@@ -143,20 +144,18 @@ impl Histograms {
             let _ = writeln!(out, "# TYPE {name} histogram");
             for (labels, h) in series {
                 let (cumulative, count, sum) = h.snapshot();
-                let sep = if labels.is_empty() { "" } else { "," };
+                // `{labels}` for the sum and count; the buckets add `le`.
+                let (braced, sep) = if labels.is_empty() {
+                    (String::new(), "")
+                } else {
+                    (format!("{{{labels}}}"), ",")
+                };
                 for (bound, n) in h.bounds.iter().zip(cumulative) {
                     let _ = writeln!(out, "{name}_bucket{{{labels}{sep}le=\"{bound}\"}} {n}");
                 }
                 let _ = writeln!(out, "{name}_bucket{{{labels}{sep}le=\"+Inf\"}} {count}");
-                let braces = |labels: &str| {
-                    if labels.is_empty() {
-                        String::new()
-                    } else {
-                        format!("{{{labels}}}")
-                    }
-                };
-                let _ = writeln!(out, "{name}_sum{} {sum}", braces(&labels));
-                let _ = writeln!(out, "{name}_count{} {count}", braces(&labels));
+                let _ = writeln!(out, "{name}_sum{braced} {sum}");
+                let _ = writeln!(out, "{name}_count{braced} {count}");
             }
             out.push('\n');
         }

@@ -150,7 +150,7 @@ pub const BATCH_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0]
 
 /// The buckets Prometheus' own clients use for a histogram nobody chose
 /// buckets for.
-pub const DEFAULT_BUCKETS: &[f64] = &[
+const DEFAULT_BUCKETS: &[f64] = &[
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 ];
 
