@@ -15,14 +15,19 @@
 # Skipped, with a message, when no Docker engine is reachable. Needs the
 # release build and the model (scripts/test.sh provides both; nothing is built
 # here but the images). Everything the test creates is removed on exit.
-set -euo pipefail
+set -Eeuo pipefail
 cd "$(dirname "$0")/.."
 started=$(date +%s.%N)
 
 now() { date +%s.%N; }
 took() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
-step() { printf '\n--> %s\n' "$*"; }
-die() { echo "cluster test FAILED: $*" >&2; exit 1; }
+current_step=start
+step() { current_step=$*; printf '\n--> %s\n' "$*"; }
+# Why the test stopped, repeated after the services' logs on the way out, so
+# that it is the last thing a CI log shows (which keeps only its tail).
+failure=
+die() { failure="cluster test FAILED in step \"$current_step\": $*"; echo "$failure" >&2; exit 1; }
+trap 'rc=$?; [ -n "$failure" ] || failure="cluster test FAILED in step \"$current_step\": the command on line $LINENO exited $rc ($BASH_COMMAND)"' ERR
 
 if ! command -v docker >/dev/null 2>&1 || ! docker info >/dev/null 2>&1; then
   echo "cluster test skipped: no Docker engine reachable (docker info failed)"
@@ -86,6 +91,7 @@ cleanup() {
     echo "--- compose ps and the last log lines of each service (exit $rc)" >&2
     compose ps -a >&2
     compose logs --no-color --tail 25 >&2
+    echo "${failure:-cluster test FAILED in step \"$current_step\" (exit $rc)}" >&2
   fi
   compose down --volumes --remove-orphans --timeout 5 >/dev/null 2>&1
   # one-off `run` containers and anything else labelled with the project
