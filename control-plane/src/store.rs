@@ -2,15 +2,17 @@
 //! reads, taken in a single range read, and compare-and-swap writes.
 //!
 //! Reads fall back to the last good snapshot when etcd is unreachable and say
-//! how old it is; writes never fall back (UNAVAILABLE).
+//! how old it is; writes never fall back (UNAVAILABLE). Each etcd member has
+//! a client of its own: a read goes on to the next member when one is
+//! unavailable, a write when it could not be sent.
 use crate::records::{ByIncarnation, Counters, RolloutRecord};
-use etcd_client::{Client, Compare, CompareOp, GetOptions, Txn, TxnOp};
+use etcd_client::{Compare, CompareOp, GetOptions, Txn, TxnOp};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokenmesh_proto::keys::Keys;
 use tokenmesh_proto::records::{PolicyRecord, StatsRecord, WorkerRecord};
-use tokenmesh_runtime::etcd;
+use tokenmesh_runtime::etcd::{self, Retry};
 
 /// Why a store operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -167,7 +169,7 @@ pub struct Guarded {
 /// etcd access for the control plane.
 #[derive(Clone)]
 pub struct Store {
-    client: Client,
+    members: etcd::Members,
     keys: Keys,
     last: Arc<Mutex<Option<TimedSnapshot>>>,
 }
@@ -183,12 +185,9 @@ impl Store {
         keys: Keys,
         tls: Option<&tokenmesh_certs::tls::TlsPaths>,
     ) -> Result<Self, StoreError> {
-        let usage = etcd::Use::Requests {
-            timeout: REQUEST_TIMEOUT,
-        };
-        let client = etcd::connect(endpoints, tls, usage).await?;
+        let members = etcd::Members::connect(endpoints, tls, REQUEST_TIMEOUT).await?;
         Ok(Self {
-            client,
+            members,
             keys,
             last: Arc::new(Mutex::new(None)),
         })
@@ -223,10 +222,13 @@ impl Store {
 
     /// A snapshot from etcd now; never the cache.
     pub async fn read_live(&self) -> Result<Arc<Snapshot>, StoreError> {
-        let mut client = self.client.clone();
         let prefix = self.keys.root();
-        let resp = client
-            .get(prefix, Some(GetOptions::new().with_prefix()))
+        let prefix = prefix.as_str();
+        let resp = self
+            .members
+            .send(Retry::Read, |mut c| async move {
+                c.get(prefix, Some(GetOptions::new().with_prefix())).await
+            })
             .await?;
         let mut snap = Snapshot {
             revision: resp.header().map(|h| h.revision()).unwrap_or(0),
@@ -247,8 +249,12 @@ impl Store {
         &self,
         model: &str,
     ) -> Result<Option<Versioned<RolloutRecord>>, StoreError> {
-        let mut client = self.client.clone();
-        let resp = client.get(self.keys.rollout(model), None).await?;
+        let key = self.keys.rollout(model);
+        let key = key.as_str();
+        let resp = self
+            .members
+            .send(Retry::Read, |mut c| async move { c.get(key, None).await })
+            .await?;
         let Some(kv) = resp.kvs().first() else {
             return Ok(None);
         };
@@ -331,8 +337,13 @@ impl Store {
             .map(|c| TxnOp::get(c.key.as_str(), None))
             .collect();
         let txn = Txn::new().when(compares).and_then(ops).or_else(reads);
-        let mut client = self.client.clone();
-        let resp = client.txn(txn).await?;
+        let resp = self
+            .members
+            .send(Retry::Write, |mut c| {
+                let txn = txn.clone();
+                async move { c.txn(txn).await }
+            })
+            .await?;
         if resp.succeeded() {
             return Ok(resp.header().map(|h| h.revision()).unwrap_or(0));
         }
@@ -357,15 +368,22 @@ impl Store {
 
     /// Writes a key without a guard (drain requests, whose value is only a reason).
     pub async fn put(&self, key: &str, value: &str) -> Result<(), StoreError> {
-        let mut client = self.client.clone();
-        client.put(key, value, None).await?;
+        self.members
+            .send(Retry::Write, |mut c| async move {
+                c.put(key, value, None).await
+            })
+            .await?;
         Ok(())
     }
 
     /// Deletes a key without a guard.
     pub async fn delete(&self, key: &str) -> Result<(), StoreError> {
-        let mut client = self.client.clone();
-        client.delete(key, None).await?;
+        self.members
+            .send(
+                Retry::Write,
+                |mut c| async move { c.delete(key, None).await },
+            )
+            .await?;
         Ok(())
     }
 }

@@ -154,3 +154,139 @@ impl Etcd {
         .expect("connecting to the test etcd")
     }
 }
+
+/// One member of an [`EtcdCluster`].
+struct Member {
+    name: String,
+    url: String,
+    args: Vec<String>,
+    proc: Option<Proc>,
+    starts: u32,
+}
+
+/// A real three-member etcd cluster on loopback (plaintext), whose members
+/// can be stopped and started again with their data.
+pub struct EtcdCluster {
+    members: Vec<Member>,
+    dir: tempfile::TempDir,
+}
+
+impl EtcdCluster {
+    /// Starts three members and waits until each answers.
+    pub async fn start() -> Result<Self> {
+        let dir = tempfile::tempdir()?;
+        let ports: Vec<(u16, u16)> = (0..3).map(|_| (free_port(), free_port())).collect();
+        let cluster = ports
+            .iter()
+            .enumerate()
+            .map(|(i, (_, peer))| format!("m{i}=http://127.0.0.1:{peer}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        let members = ports
+            .iter()
+            .enumerate()
+            .map(|(i, (client, peer))| {
+                let name = format!("m{i}");
+                let url = format!("http://127.0.0.1:{client}");
+                let peer_url = format!("http://127.0.0.1:{peer}");
+                let data = dir.path().join(&name).display().to_string();
+                let args = [
+                    "--name",
+                    &name,
+                    "--data-dir",
+                    &data,
+                    "--listen-client-urls",
+                    &url,
+                    "--advertise-client-urls",
+                    &url,
+                    "--listen-peer-urls",
+                    &peer_url,
+                    "--initial-advertise-peer-urls",
+                    &peer_url,
+                    "--initial-cluster",
+                    &cluster,
+                ]
+                .iter()
+                .map(|s| s.to_string())
+                .collect();
+                Member {
+                    name,
+                    url,
+                    args,
+                    proc: None,
+                    starts: 0,
+                }
+            })
+            .collect();
+        let mut c = Self { members, dir };
+        // All three first: none answers before a quorum is up.
+        for i in 0..3 {
+            c.spawn(i)?;
+        }
+        for i in 0..3 {
+            c.wait_answers(i).await?;
+        }
+        Ok(c)
+    }
+
+    /// Every member's client URL, comma-separated (an `--etcd` value).
+    pub fn endpoints(&self) -> String {
+        self.members
+            .iter()
+            .map(|m| m.url.as_str())
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// Stops member `i` (SIGKILL), as an outage.
+    pub fn kill(&mut self, i: usize) {
+        if let Some(mut p) = self.members[i].proc.take() {
+            p.signal(nix::sys::signal::Signal::SIGKILL);
+            let _ = p.wait_exit(Duration::from_secs(5));
+        }
+    }
+
+    /// Waits until every running member answers a linearizable read, which
+    /// needs a leader: after a kill, the rest have elected one.
+    pub async fn wait_quorum(&mut self) -> Result<()> {
+        for i in 0..self.members.len() {
+            if self.members[i].proc.is_some() {
+                self.wait_answers(i).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Starts member `i` again on its data and waits until it answers.
+    pub async fn restart(&mut self, i: usize) -> Result<()> {
+        self.spawn(i)?;
+        self.wait_answers(i).await
+    }
+
+    fn spawn(&mut self, i: usize) -> Result<()> {
+        let etcd = which("etcd").context("etcd is not installed (apt-get install etcd-server)")?;
+        let m = &mut self.members[i];
+        m.starts += 1;
+        let log = format!("etcd-{}-{}", m.name, m.starts);
+        m.proc = Some(Proc::spawn(&log, &etcd, &m.args, self.dir.path())?);
+        Ok(())
+    }
+
+    async fn wait_answers(&mut self, i: usize) -> Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let url = self.members[i].url.clone();
+        loop {
+            if let Ok(mut c) = etcd_client::Client::connect([url.as_str()], None).await {
+                if c.get("probe", None).await.is_ok() {
+                    return Ok(());
+                }
+            }
+            let m = &mut self.members[i];
+            let proc = m.proc.as_mut().context("the member is stopped")?;
+            if !proc.running() || Instant::now() > deadline {
+                bail!("etcd member {} did not start:\n{}", m.name, proc.log_text());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}

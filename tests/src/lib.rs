@@ -18,7 +18,7 @@ pub mod raw;
 pub mod upstream;
 
 pub use clients::{generate_client, grpcurl, grpcurl_output};
-pub use etcd::Etcd;
+pub use etcd::{Etcd, EtcdCluster};
 pub use fixtures::{collect, collect_rest, france_request, prompt_request, Collected};
 pub use mesh::{
     etcd_router, real_worker, static_file, static_router, wait_idle, RouterProc, WorkerOpts,

@@ -10,7 +10,8 @@ use tokenmesh_proto::v1::{
 };
 use tokenmesh_tests::control::{ControlOpts, ControlProc};
 use tokenmesh_tests::{
-    collect, collect_rest, eventually, Collected, Etcd, RouterProc, WorkerOpts, WorkerProc,
+    collect, collect_rest, eventually, Collected, Etcd, EtcdCluster, RouterProc, WorkerOpts,
+    WorkerProc,
 };
 use tonic::transport::Channel;
 use tonic::Code;
@@ -28,7 +29,7 @@ struct Mesh {
 }
 
 async fn worker(
-    etcd: &Etcd,
+    etcd: &str,
     id: &str,
     version: &str,
     extra: &[&str],
@@ -36,7 +37,7 @@ async fn worker(
 ) -> WorkerProc {
     let mut o = WorkerOpts::new(id);
     o.version = version.into();
-    o.etcd = Some(etcd.url.clone());
+    o.etcd = Some(etcd.into());
     o.synthetic_tokens_per_sec = Some(2000.0);
     o.extra = ["--model-name", MODEL]
         .iter()
@@ -71,7 +72,7 @@ impl Mesh {
         let dir = tempfile::tempdir().unwrap();
         let mut ws = Vec::new();
         for (id, version, extra) in workers {
-            ws.push(worker(&etcd, id, version, extra, dir.path()).await);
+            ws.push(worker(&etcd.url, id, version, extra, dir.path()).await);
         }
         let (router, rdir) = router(&etcd, "r1").await;
         router
@@ -675,7 +676,7 @@ async fn auditors_read_operators_write_others_are_refused() {
     let pki = tokenmesh_tests::Pki::new().unwrap();
     let etcd = Etcd::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let _w = worker(&etcd, "s1", "v1", &[], dir.path()).await;
+    let _w = worker(&etcd.url, "s1", "v1", &[], dir.path()).await;
     let mut opts = ControlOpts::new("cp-a", &etcd.url);
     opts.tls = Some((
         pki.issue(Role::Control, "cp-a").unwrap(),
@@ -712,4 +713,72 @@ async fn auditors_read_operators_write_others_are_refused() {
         .await
         .unwrap_err();
     assert_eq!(refused.code(), Code::PermissionDenied, "{refused:?}");
+}
+
+/// Writes the policy `n` times in a row (sticky toggled each time, each a
+/// compare-and-swap on the revision the previous one returned); the first
+/// failure, with how many went through before it.
+async fn write_policy(c: &mut ControlClient<Channel>, n: usize) -> Result<(), String> {
+    for i in 0..n {
+        let current = get_policy(c)
+            .await
+            .map_err(|e| format!("read {i}: {e:?}"))?;
+        if let Some(f) = current.freshness.filter(|f| f.stale) {
+            return Err(format!("read {i} of {n} is stale: {}", f.reason));
+        }
+        c.set_policy(v1::SetPolicyRequest {
+            model: MODEL.into(),
+            policy: Some(v1::TrafficPolicy {
+                stable_version: "v1".into(),
+                sticky: i % 2 == 0,
+                ..Default::default()
+            }),
+            expected_revision: current.revision,
+        })
+        .await
+        .map_err(|e| format!("write {i} of {n}: {e:?}"))?;
+    }
+    Ok(())
+}
+
+/// With one etcd member of three down, or back after an outage, no read is
+/// stale and no write fails: a request its member could not take goes to
+/// another. (Writes that fail while the rest elect a leader are UNAVAILABLE,
+/// as etcd's own client reports them: they may have been applied.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn writes_go_through_while_an_etcd_member_is_down_and_after_it_returns() {
+    let mut etcd = EtcdCluster::start().await.expect("etcd cluster starts");
+    let dir = tempfile::tempdir().unwrap();
+    let _w = worker(&etcd.endpoints(), "s1", "v1", &[], dir.path()).await;
+    let control = ControlProc::start(ControlOpts::new("cp-a", &etcd.endpoints()), dir.path())
+        .await
+        .expect("control plane starts");
+    let mut c = control.client().await;
+    assert!(
+        eventually(Duration::from_secs(20), || {
+            let mut c = c.clone();
+            async move {
+                let workers = c.list_workers(v1::ListWorkersRequest::default()).await;
+                workers.is_ok_and(|w| !w.into_inner().workers.is_empty())
+            }
+        })
+        .await,
+        "the worker never registered"
+    );
+    write_policy(&mut c, 5)
+        .await
+        .expect("writes, all members up");
+
+    etcd.kill(0);
+    etcd.wait_quorum()
+        .await
+        .expect("the other two elect a leader");
+    write_policy(&mut c, 30)
+        .await
+        .expect("writes with one member of three down");
+
+    etcd.restart(0).await.expect("the member starts again");
+    write_policy(&mut c, 30)
+        .await
+        .expect("writes after the member is back");
 }
