@@ -19,6 +19,8 @@
 # (8) sampling (issue 20): the real model through the router at 1, 4, 16 and
 #     32 streams, greedy (temperature 0) and at the server's sampling
 #     defaults (temperature 1, no top-k or top-p), interleaved run by run,
+#     every request generating its 64 tokens (--ignore-eos), so that both
+#     settings do the same prefill and decode work,
 # (9) openai: the router's OpenAI-compatible HTTP API (--api openai, HTTP/1.1
 #     and HTTP/2) against its gRPC API, same router and worker, interleaved,
 #     at 100 streams,
@@ -391,7 +393,7 @@ for c in 1 4 16 32; do
       # No --temperature: the request leaves sampling to the server's defaults.
       if [ $t = t0 ]; then targs=(--temperature 0); else targs=(); fi
       $BIN/meshctl bench --target "$ROUTER" --concurrency $c --max-tokens 64 --prompt-words 32 "${targs[@]}" \
-        --duration 10 --warmup 2 --seed "$rep" --output json --no-progress | tag $t "$rep" >>"$OUT/sampling.jsonl"
+        --ignore-eos --duration 10 --warmup 2 --seed "$rep" --output json --no-progress | tag $t "$rep" >>"$OUT/sampling.jsonl"
     done
   done
 done

@@ -45,6 +45,9 @@ def sampling(args):
         kw["temperature"] = args.temperature
     if args.seed is not None:
         kw["seed"] = args.seed
+    if args.ignore_eos:
+        # vLLM's extension, which the library passes through as it is.
+        kw["extra_body"] = {"ignore_eos": True}
     return kw
 
 
@@ -196,6 +199,7 @@ def main():
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--temperature", type=float)
     p.add_argument("--seed", type=int)
+    p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--stream", action="store_true")
     p.add_argument("--include-usage", action="store_true")
     p.add_argument("--print-chunks", action="store_true")

@@ -140,6 +140,36 @@ async fn the_openai_library_gets_what_grpc_gets_token_for_token() {
     let reference = collect(&mut grpc, req).await.unwrap();
     assert_eq!(a["text"], reference.text.as_str());
 
+    // A reply that ends at the end-of-turn token, asked with ignore_eos
+    // (vLLM's extension), runs to max_tokens by the model's next choices,
+    // the same on both APIs.
+    let ends = collect(&mut grpc, chat_request(prompt, 40)).await.unwrap();
+    let ended = ends.finished.clone().unwrap();
+    assert_eq!(ended.finish_reason(), FinishReason::Eos, "{ends:?}");
+    let req = GenerateRequest {
+        ignore_eos: true,
+        ..chat_request(prompt, 40)
+    };
+    let goes_on = collect(&mut grpc, req).await.unwrap();
+    let finished = goes_on.finished.clone().unwrap();
+    assert_eq!(finished.finish_reason(), FinishReason::Length);
+    assert_eq!(finished.usage.unwrap().completion_tokens, 40);
+    assert_eq!(goes_on.token_ids.len(), 40);
+    assert!(
+        goes_on.token_ids.starts_with(&ends.token_ids),
+        "greedy up to where the first reply ended: {:?} then {:?}",
+        ends.token_ids,
+        goes_on.token_ids
+    );
+    let j = openai_client(
+        "chat",
+        &base,
+        &["--max-tokens", "40", "--temperature", "0", "--ignore-eos"],
+    );
+    assert_eq!(j["text"], goes_on.text.as_str(), "{j}");
+    assert_eq!(j["finish_reason"], "length");
+    assert_eq!(j["usage"]["completion_tokens"], 40);
+
     // Errors surface as the library's exception classes.
     let j = openai_client("chat", &base, &["--max-tokens", "0"]);
     assert_eq!(

@@ -237,6 +237,7 @@ fn prepare_context(
             top_k: g.top_k.map(|k| k as usize).unwrap_or(defaults.top_k),
             repetition_penalty: g.repetition_penalty.unwrap_or(defaults.repetition_penalty),
             seed: g.seed,
+            ignore_eos: g.ignore_eos,
         },
         stop: g.stop.clone(),
         logprobs: g.logprobs,

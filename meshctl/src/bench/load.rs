@@ -78,6 +78,10 @@ pub struct LoadArgs {
     /// Sampling temperature (default: the server's).
     #[arg(long)]
     pub temperature: Option<f32>,
+    /// Generate every request's max_tokens: the model's end-of-turn tokens
+    /// are never sampled, so settings compare on equal work.
+    #[arg(long)]
+    pub ignore_eos: bool,
     /// Seed of the prompts, max_tokens and arrival times.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
@@ -171,6 +175,7 @@ struct Shared {
     target: Target,
     model: String,
     temperature: Option<f32>,
+    ignore_eos: bool,
     workload: Mutex<Workload>,
     samples: Mutex<Vec<Sample>>,
     t0: Instant,
@@ -208,6 +213,7 @@ impl Shared {
             prompt: shape.prompt,
             max_tokens: Some(shape.max_tokens),
             temperature: self.temperature,
+            ignore_eos: self.ignore_eos,
             ..Default::default()
         };
         let mut tokens = Vec::new();
@@ -353,6 +359,7 @@ pub async fn run(args: &LoadArgs, progress: bool) -> anyhow::Result<Run> {
         target,
         model: model.clone(),
         temperature: args.temperature,
+        ignore_eos: args.ignore_eos,
         workload: Mutex::new(Workload::new(args.seed, args.shape)),
         samples: Mutex::new(Vec::new()),
         t0,

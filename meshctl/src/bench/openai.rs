@@ -163,6 +163,9 @@ impl OpenAi {
         if let Some(t) = req.temperature {
             body["temperature"] = t.into();
         }
+        if req.ignore_eos {
+            body["ignore_eos"] = true.into();
+        }
         for (k, v) in &self.extra {
             body[k] = v.clone();
         }

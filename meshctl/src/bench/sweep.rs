@@ -277,6 +277,7 @@ fn point_load(args: &SweepArgs, router: &str, model: &str, concurrency: u32) -> 
         warmup: args.warmup,
         shape: args.shape,
         temperature: None,
+        ignore_eos: false,
         seed: args.seed,
         connections: 1,
         drain_timeout: 60.0,

@@ -101,6 +101,8 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, ApiError> {
             (_, "top_p") => r.top_p = Some(float(k, v)?),
             (_, "top_k") => r.top_k = Some(uint(k, v)?),
             (_, "repetition_penalty") => r.repetition_penalty = Some(float(k, v)?),
+            // vLLM's extension, for benchmarks of a fixed length.
+            (_, "ignore_eos") => r.ignore_eos = boolean(k, v)?,
             (_, "seed") => r.seed = Some(seed(v)?),
             (_, "stop") => r.stop = stop(v)?,
             (_, "user") => p.user = Some(string(k, v)?).filter(|u| !u.is_empty()),
@@ -384,7 +386,7 @@ mod tests {
                {"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}],
                "max_completion_tokens":7,"temperature":0,"top_p":0.5,"stop":"x","seed":-1,
                "user":"u1","n":1,"stream":true,"stream_options":{"include_usage":true},
-               "presence_penalty":0,"logprobs":true,"tools":null}"#,
+               "presence_penalty":0,"logprobs":true,"tools":null,"ignore_eos":true}"#,
         )
         .unwrap();
         assert_eq!(p.request.model, "m");
@@ -396,6 +398,7 @@ mod tests {
         assert_eq!(p.request.seed, Some(u64::MAX));
         assert!(p.stream && p.include_usage && p.logprobs && p.request.logprobs);
         assert_eq!(p.user.as_deref(), Some("u1"));
+        assert!(p.request.ignore_eos);
     }
 
     #[test]
@@ -433,6 +436,10 @@ mod tests {
             (
                 r#"{"model":"m","messages":[{"role":"user","content":"x"}],"n":2}"#,
                 "n",
+            ),
+            (
+                r#"{"model":"m","messages":[{"role":"user","content":"x"}],"ignore_eos":1}"#,
+                "ignore_eos",
             ),
             (
                 r#"{"model":"m","messages":[{"role":"user","content":"x"}],"frequency_penalty":0.5}"#,

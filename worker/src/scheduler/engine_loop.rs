@@ -563,6 +563,15 @@ fn next_token<M: StepModel>(
     // position are what an undisturbed run has at this token.
     let ctx = &s.req.context;
     let recent = &ctx[ctx.len().saturating_sub(PENALTY_WINDOW)..];
+    if s.req.sampling.ignore_eos {
+        // Masked before the draw, as llama.cpp does, so that the token is
+        // still a function of (seed, position, logits) on a continuation.
+        for &eos in model.eos_token_ids() {
+            if let Some(logit) = row.get_mut(eos as usize) {
+                *logit = f32::NEG_INFINITY;
+            }
+        }
+    }
     let token = s.sampler.sample(row, recent, s.generated);
     if s.prefilling {
         s.prefilling = false;

@@ -83,6 +83,7 @@ pub fn completion_request(
                 "repeat_penalty": s.repetition_penalty,
                 "repeat_last_n": PENALTY_WINDOW,
                 "stop": ask.stop,
+                "ignore_eos": s.ignore_eos,
             });
             if let Some(seed) = s.seed {
                 // llama-server's seed is 32 bits.
@@ -107,6 +108,7 @@ pub fn completion_request(
                 "top_k": if s.top_k == 0 { -1 } else { s.top_k as i64 },
                 "repetition_penalty": s.repetition_penalty,
                 "stop": ask.stop,
+                "ignore_eos": s.ignore_eos,
             });
             if let Some(seed) = s.seed {
                 body["seed"] = json!(seed);
@@ -158,6 +160,10 @@ fn openai_request(model: &str, ask: &CompletionAsk<'_>) -> (&'static str, Value)
     }
     if s.repetition_penalty != 1.0 {
         body["repetition_penalty"] = json!(s.repetition_penalty);
+    }
+    if s.ignore_eos {
+        // vLLM's and llama-server's extension.
+        body["ignore_eos"] = json!(true);
     }
     if !ask.cache_prompt {
         // llama-server's extension, sent only when switched off: its
@@ -491,6 +497,7 @@ mod tests {
             top_k: 40,
             repetition_penalty: 1.1,
             seed: Some(7),
+            ignore_eos: false,
         };
         let ask = CompletionAsk {
             prompt: None,
@@ -511,6 +518,7 @@ mod tests {
         assert_eq!(body["n_probs"], 1);
         assert_eq!(body["stop"], json!(["\n"]));
         assert_eq!(body["cache_prompt"], true);
+        assert_eq!(body["ignore_eos"], false);
         let uncached = CompletionAsk {
             cache_prompt: false,
             ..ask.clone()
@@ -527,6 +535,18 @@ mod tests {
         };
         let (_, body) = completion_request(UpstreamKind::LlamaServer, "m", &drawn);
         assert_eq!(body["top_k"], 40);
+        let endless = SamplingParams {
+            ignore_eos: true,
+            ..sampling.clone()
+        };
+        let past_eos = CompletionAsk {
+            sampling: &endless,
+            ..ask.clone()
+        };
+        let (_, body) = completion_request(UpstreamKind::LlamaServer, "m", &past_eos);
+        assert_eq!(body["ignore_eos"], true);
+        let (_, body) = completion_request(UpstreamKind::Vllm, "m", &past_eos);
+        assert_eq!(body["ignore_eos"], true);
         let hi = EnginePrompt::Text("Hi".into());
         let text = CompletionAsk {
             prompt: Some(&hi),
@@ -634,6 +654,7 @@ mod tests {
             top_k: 40,
             repetition_penalty: 1.0,
             seed: None,
+            ignore_eos: false,
         };
         let hi = EnginePrompt::Text("Hi".into());
         let ask = CompletionAsk {
@@ -660,6 +681,7 @@ mod tests {
             temperature: 0.5,
             repetition_penalty: 1.1,
             seed: Some(3),
+            ignore_eos: true,
             ..greedy.clone()
         };
         let stop = ["\n".to_string()];
@@ -680,6 +702,7 @@ mod tests {
         assert_eq!(body["seed"], 3);
         assert_eq!(body["stop"], json!(["\n"]));
         assert_eq!(body["logprobs"], true);
+        assert_eq!(body["ignore_eos"], true);
         let uncached = CompletionAsk {
             cache_prompt: false,
             ..ask.clone()

@@ -27,6 +27,10 @@ pub struct SamplingParams {
     pub repetition_penalty: f32,
     /// Fixed seed for reproducible sampling.
     pub seed: Option<u64>,
+    /// Never pick an end-of-turn token (the engine masks them, as
+    /// llama-server's `ignore_eos` does), so only the length or a stop
+    /// string ends the sequence.
+    pub ignore_eos: bool,
 }
 
 impl Default for SamplingParams {
@@ -37,6 +41,7 @@ impl Default for SamplingParams {
             top_k: 0,
             repetition_penalty: 1.0,
             seed: None,
+            ignore_eos: false,
         }
     }
 }

@@ -11,7 +11,9 @@ const VOCAB: u32 = 16;
 /// The test model's end-of-turn token.
 const EOS: u32 = 15;
 
-/// Next token = last token + 1 (mod VOCAB); KV blocks are accounting only,
+/// Next token = last token + 1 (mod VOCAB), and the one after it a distant
+/// second (30 nats lower: a weight of 0 at temperature 1, so sampling is as
+/// certain as greedy until the first is masked); KV blocks are accounting only,
 /// one byte per token, so `kv_budget_bytes` counts tokens. It records the
 /// chunks of every step and fails the sequences whose id starts with "fail".
 struct CountingModel {
@@ -85,6 +87,7 @@ impl StepModel for CountingModel {
             }
             let next = (s.tokens.last().unwrap() + 1) % VOCAB;
             values[j * v + next as usize] = 0.0;
+            values[j * v + ((next + 1) % VOCAB) as usize] = -30.0;
             b.step.cache.advance(b.step.tokens.len());
         }
         self.steps.push(log);
@@ -480,3 +483,56 @@ fn an_abort_cancels_only_the_stream_it_names() {
 }
 
 mod prefix;
+
+#[test]
+fn ignore_eos_masks_the_end_of_turn_token_and_runs_to_the_length() {
+    let mut s = scheduler(config(2, 64));
+    let mut ends = normal(&mut s, "ends", &[12], 6);
+    let (tx, mut goes_on) = mpsc::unbounded_channel();
+    s.stats.queued.fetch_add(1, Ordering::SeqCst);
+    s.handle(Command::Submit(Box::new(SequenceRequest {
+        request_id: "goes-on".into(),
+        attempt_id: String::new(),
+        context: vec![12],
+        already_emitted: 0,
+        max_tokens: 6,
+        sampling: SamplingParams {
+            ignore_eos: true,
+            ..SamplingParams::default()
+        },
+        stop: vec![],
+        logprobs: false,
+        events: tx,
+        enqueued: Instant::now(),
+        priority: Priority::Normal,
+        span: tracing::Span::none(),
+    })));
+    run_out(&mut s, 50);
+    let (tokens, end) = received(&mut ends);
+    assert_eq!(tokens, [13, 14]);
+    assert!(
+        matches!(
+            end,
+            Some(Event::Finished {
+                reason: Finish::Eos,
+                completion_tokens: 2,
+                ..
+            })
+        ),
+        "{end:?}"
+    );
+    // Where the model's best is the end-of-turn token, its second is taken.
+    let (tokens, end) = received(&mut goes_on);
+    assert_eq!(tokens, [13, 14, 0, 1, 2, 3]);
+    assert!(
+        matches!(
+            end,
+            Some(Event::Finished {
+                reason: Finish::Length,
+                completion_tokens: 6,
+                ..
+            })
+        ),
+        "{end:?}"
+    );
+}
