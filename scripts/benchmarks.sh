@@ -20,7 +20,8 @@
 #     32 streams, greedy (temperature 0) and at the server's sampling
 #     defaults (temperature 1, no top-k or top-p), interleaved run by run,
 #     every request generating its 64 tokens (--ignore-eos), so that both
-#     settings do the same prefill and decode work,
+#     settings do the same prefill and decode work (SAMPLING_STREAMS, default
+#     "1 4 16 32", picks the stream counts),
 # (9) openai: the router's OpenAI-compatible HTTP API (--api openai, HTTP/1.1
 #     and HTTP/2) against its gRPC API, same router and worker, interleaved,
 #     at 100 streams,
@@ -387,13 +388,15 @@ echo "== sampling: real model, temperature 0 vs the defaults (t=1), 1 to 32 stre
 mesh sampling smollm2-135m-instruct --model "$MODEL" --threads "$THREADS" --max-batch 32
 { nproc; uptime; } | tee "$OUT/sampling-machine.txt"
 : >"$OUT/sampling.jsonl"
-for c in 1 4 16 32; do
+for c in ${SAMPLING_STREAMS:-1 4 16 32}; do
   for rep in $(seq "$REPS"); do
     for t in t0 defaults; do
       # No --temperature: the request leaves sampling to the server's defaults.
-      if [ $t = t0 ]; then targs=(--temperature 0); else targs=(); fi
+      # Each run its own prompts (seed), so that the second of a pair does
+      # not find the first's prompts in the worker's prefix cache.
+      if [ $t = t0 ]; then targs=(--temperature 0 --seed $((2 * rep))); else targs=(--seed $((2 * rep + 1))); fi
       $BIN/meshctl bench --target "$ROUTER" --concurrency $c --max-tokens 64 --prompt-words 32 "${targs[@]}" \
-        --ignore-eos --duration 10 --warmup 2 --seed "$rep" --output json --no-progress | tag $t "$rep" >>"$OUT/sampling.jsonl"
+        --ignore-eos --duration 10 --warmup 2 --output json --no-progress | tag $t "$rep" >>"$OUT/sampling.jsonl"
     done
   done
 done

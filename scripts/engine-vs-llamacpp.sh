@@ -12,7 +12,12 @@
 # LLAMA_SERVER (required), THREADS (2), MAX_BATCH (32), STREAMS ("1 4 16 32"),
 # MAX_TOKENS (64), PROMPT_WORDS (32), DURATION (20 s), WARMUP (5 s),
 # CTX_PER_SLOT (256 tokens of llama-server context per slot), OUT
-# (scripts/benchmark-results), TAG (engine-vs-llamacpp: the file prefix).
+# (scripts/benchmark-results), TAG (engine-vs-llamacpp: the file prefix),
+# SAMPLING (greedy: temperature 0 on both; defaults: our server's defaults,
+# temperature 1 over the whole vocabulary, and llama-server asked for the
+# same, temperature 1, top_k 0, top_p 1, min_p 0, instead of its own
+# truncating defaults), IGNORE_EOS (0; 1: every request runs to MAX_TOKENS
+# on both engines, so they do the same work whatever they sample).
 # Writes $OUT/$TAG-tokenmesh.jsonl, $OUT/$TAG-llama-server.jsonl,
 # $OUT/$TAG-rss.txt, $OUT/$TAG-machine.txt and $OUT/$TAG-summary.txt; server
 # logs go to a temporary directory (kept, path printed).
@@ -30,6 +35,16 @@ PROMPT_WORDS=${PROMPT_WORDS:-32}
 DURATION=${DURATION:-20}
 WARMUP=${WARMUP:-5}
 CTX_PER_SLOT=${CTX_PER_SLOT:-256}
+SAMPLING=${SAMPLING:-greedy}
+IGNORE_EOS=${IGNORE_EOS:-0}
+case $SAMPLING in
+  greedy) ours_sampling=(--temperature 0) llama_sampling=(--temperature 0) ;;
+  defaults) ours_sampling=() llama_sampling=(--temperature 1 --top-k 0 --top-p 1 --min-p 0) ;;
+  *) echo "SAMPLING is greedy or defaults, not $SAMPLING" >&2; exit 2 ;;
+esac
+if [ "$IGNORE_EOS" = 1 ]; then
+  ours_sampling+=(--ignore-eos) llama_sampling+=(--ignore-eos)
+fi
 OUT=${OUT:-scripts/benchmark-results}
 TAG=${TAG:-engine-vs-llamacpp}
 LOGS=$(mktemp -d /tmp/engine-vs-llamacpp.XXXXXX)
@@ -55,7 +70,7 @@ stop() { kill "$pid"; wait "$pid" 2>/dev/null || true; pid=; }
   echo "model: $MODEL ($(stat -c %s "$MODEL") bytes, sha256 $(sha256sum "$MODEL" | cut -c1-16)…)"
   echo "tokenmesh: $(git rev-parse --short HEAD), $BIN/tokenmesh-worker built $(date -u -r $BIN/tokenmesh-worker +%FT%TZ)"
   echo "llama-server: $("$LLAMA_SERVER" --version 2>&1 | grep -m1 -i version)"
-  echo "threads $THREADS, max_tokens $MAX_TOKENS, prompt words $PROMPT_WORDS, temperature 0, warm-up ${WARMUP}s, window ${DURATION}s"
+  echo "threads $THREADS, max_tokens $MAX_TOKENS, prompt words $PROMPT_WORDS, sampling $SAMPLING, ignore_eos $IGNORE_EOS, warm-up ${WARMUP}s, window ${DURATION}s"
 } >"$MACHINE"
 
 for n in $STREAMS; do
@@ -75,7 +90,7 @@ for n in $STREAMS; do
   echo "tokenmesh $n streams: load $(load)" >>"$MACHINE"
   "$BIN/meshctl" bench --direct --target "127.0.0.1:$port" --concurrency "$n" \
     --duration "$DURATION" --warmup "$WARMUP" --max-tokens "$MAX_TOKENS" \
-    --prompt-words "$PROMPT_WORDS" --temperature 0 --output json --no-progress |
+    --prompt-words "$PROMPT_WORDS" "${ours_sampling[@]}" --output json --no-progress |
     python3 -c 'import json, sys
 for line in sys.stdin:
     if line.strip():
@@ -98,7 +113,7 @@ for line in sys.stdin:
   echo "llama-server $n streams: load $(load)" >>"$MACHINE"
   python3 scripts/llama_server_bench.py --url "http://127.0.0.1:$port/completion" \
     --concurrency "$n" --duration "$DURATION" --warmup "$WARMUP" --max-tokens "$MAX_TOKENS" \
-    --prompt-words "$PROMPT_WORDS" --temperature 0 \
+    --prompt-words "$PROMPT_WORDS" "${llama_sampling[@]}" \
     --label engine=llama-server --label "load_1min=$(load | cut -d' ' -f1)" >>"$LLAMA"
   printf 'llama-server\t%s\t%s\t%s\n' "$n" "$rss_ready" "$(mem "$pid" VmHWM)" >>"$RSS"
   stop
@@ -131,8 +146,11 @@ for n in ours:
         continue
     est = 1 + (a["e2e_ms"]["mean"] - a["ttft_ms"]["mean"]) / a["itl_ms"]["mean"] if a["itl_ms"]["mean"] else 0
     ls = b.get("llama_server", {})
-    print(f"| {n} | {a['output_tokens_per_sec'] / b['output_tokens_per_sec']:.2f} | "
-          f"{a['ttft_ms']['p50'] / b['ttft_ms']['p50']:.2f} | {a['itl_ms']['p50'] / b['itl_ms']['p50']:.2f} | "
+    # A window in which no request finished (a long request at many
+    # streams) has no latencies: no ratio rather than a division by zero.
+    ratio = lambda x, y: f"{x / y:.2f}" if y else "-"
+    print(f"| {n} | {ratio(a['output_tokens_per_sec'], b['output_tokens_per_sec'])} | "
+          f"{ratio(a['ttft_ms']['p50'], b['ttft_ms']['p50'])} | {ratio(a['itl_ms']['p50'], b['itl_ms']['p50'])} | "
           f"{est:.1f} / {ls.get('completion_tokens_mean') or 0:.1f} | {100 * (ls.get('full_length_share') or 0):.0f} % |")
 EOF
 cat "$OUT/$TAG-summary.txt"

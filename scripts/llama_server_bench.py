@@ -128,8 +128,9 @@ async def one(args, host, port, path, prompt, max_tokens, t0, sample):
         "return_tokens": True,
         "ignore_eos": args.ignore_eos,
     }
-    if args.temperature is not None:
-        body["temperature"] = args.temperature
+    for key in ("temperature", "top_k", "top_p", "min_p"):
+        if getattr(args, key) is not None:
+            body[key] = getattr(args, key)
     payload = json.dumps(body).encode()
     head = (
         f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\n"
@@ -326,6 +327,9 @@ def main():
     p.add_argument("--prompt-words", type=spread, default=(32, 32))
     p.add_argument("--max-tokens", type=spread, default=(64, 64))
     p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None, help="0 = the whole vocabulary")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--min-p", type=float, default=None)
     p.add_argument("--ignore-eos", action="store_true", help="ask llama-server to ignore EOS")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--repeat", type=int, default=1, help="runs, seeds seed..seed+repeat-1")
