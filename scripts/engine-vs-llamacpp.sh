@@ -138,6 +138,9 @@ for n in ours:
         print(f"| {n} | {name} | {r['output_tokens_per_sec']:.1f} | {t['p50']:.0f} / {t['p99']:.0f} | "
               f"{i['p50']:.1f} / {i['p99']:.1f} | {rss.get((name, n), 0):.0f} | {r['labels'].get('load_1min', '')} |")
 print()
+# A window in which no request finished (a long request at many streams) has
+# no latencies: no ratio rather than a division by zero.
+ratio = lambda x, y: f"{x / y:.2f}" if y else "-"
 print("| streams | tokens/s ours / llama.cpp | TTFT p50 ours / llama.cpp | ITL p50 ours / llama.cpp | tokens per request, ours (estimated) / llama-server | llama-server requests at max_tokens |")
 print("| ---: | ---: | ---: | ---: | ---: | ---: |")
 for n in ours:
@@ -146,9 +149,6 @@ for n in ours:
         continue
     est = 1 + (a["e2e_ms"]["mean"] - a["ttft_ms"]["mean"]) / a["itl_ms"]["mean"] if a["itl_ms"]["mean"] else 0
     ls = b.get("llama_server", {})
-    # A window in which no request finished (a long request at many
-    # streams) has no latencies: no ratio rather than a division by zero.
-    ratio = lambda x, y: f"{x / y:.2f}" if y else "-"
     print(f"| {n} | {ratio(a['output_tokens_per_sec'], b['output_tokens_per_sec'])} | "
           f"{ratio(a['ttft_ms']['p50'], b['ttft_ms']['p50'])} | {ratio(a['itl_ms']['p50'], b['itl_ms']['p50'])} | "
           f"{est:.1f} / {ls.get('completion_tokens_mean') or 0:.1f} | {100 * (ls.get('full_length_share') or 0):.0f} % |")

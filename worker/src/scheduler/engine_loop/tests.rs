@@ -138,23 +138,39 @@ fn submit_as(
     priority: Priority,
     enqueued: Instant,
 ) -> mpsc::UnboundedReceiver<Event> {
+    let (mut req, rx) = request(request_id, prompt, max_tokens);
+    req.attempt_id = attempt_id.into();
+    req.priority = priority;
+    req.enqueued = enqueued;
+    submit_request(s, req);
+    rx
+}
+
+/// A NORMAL request with the default sampling, enqueued now, and the
+/// receiver of its events: for tests that set other fields themselves.
+fn request(id: &str, context: &[u32], max_tokens: usize) -> (SequenceRequest, Rx) {
     let (tx, rx) = mpsc::unbounded_channel();
-    s.stats.queued.fetch_add(1, Ordering::SeqCst);
-    s.handle(Command::Submit(Box::new(SequenceRequest {
-        request_id: request_id.into(),
-        attempt_id: attempt_id.into(),
-        context: prompt.to_vec(),
+    let req = SequenceRequest {
+        request_id: id.into(),
+        attempt_id: String::new(),
+        context: context.to_vec(),
         already_emitted: 0,
         max_tokens,
         sampling: SamplingParams::default(),
         stop: vec![],
         logprobs: false,
         events: tx,
-        enqueued,
-        priority,
+        enqueued: Instant::now(),
+        priority: Priority::Normal,
         span: tracing::Span::none(),
-    })));
-    rx
+    };
+    (req, rx)
+}
+
+/// Submits `req` as the handle does (counting it as queued).
+fn submit_request(s: &mut Scheduler<CountingModel>, req: SequenceRequest) {
+    s.stats.queued.fetch_add(1, Ordering::SeqCst);
+    s.handle(Command::Submit(Box::new(req)));
 }
 
 fn normal(s: &mut Scheduler<CountingModel>, id: &str, prompt: &[u32], max_tokens: usize) -> Rx {
@@ -405,24 +421,11 @@ fn a_continuation_past_the_pool_ends_as_kv_cache_full_at_once() {
     // What the first worker sent: 8 prompt tokens and 9 completion tokens,
     // one more than the pool holds; it ended there as KvCacheFull.
     let mut s = scheduler(config(2, 16));
-    let (tx, mut rx) = mpsc::unbounded_channel();
-    s.stats.queued.fetch_add(1, Ordering::SeqCst);
     let mut context = vec![1; 8];
     context.extend(2..=10);
-    s.handle(Command::Submit(Box::new(SequenceRequest {
-        request_id: "cont".into(),
-        attempt_id: String::new(),
-        context,
-        already_emitted: 9,
-        max_tokens: 50,
-        sampling: SamplingParams::default(),
-        stop: vec![],
-        logprobs: false,
-        events: tx,
-        enqueued: Instant::now(),
-        priority: Priority::Normal,
-        span: tracing::Span::none(),
-    })));
+    let (mut req, mut rx) = request("cont", &context, 50);
+    req.already_emitted = 9;
+    submit_request(&mut s, req);
     assert!(
         matches!(
             received(&mut rx),
@@ -482,31 +485,13 @@ fn an_abort_cancels_only_the_stream_it_names() {
     ));
 }
 
-mod prefix;
-
 #[test]
 fn ignore_eos_masks_the_end_of_turn_token_and_runs_to_the_length() {
     let mut s = scheduler(config(2, 64));
     let mut ends = normal(&mut s, "ends", &[12], 6);
-    let (tx, mut goes_on) = mpsc::unbounded_channel();
-    s.stats.queued.fetch_add(1, Ordering::SeqCst);
-    s.handle(Command::Submit(Box::new(SequenceRequest {
-        request_id: "goes-on".into(),
-        attempt_id: String::new(),
-        context: vec![12],
-        already_emitted: 0,
-        max_tokens: 6,
-        sampling: SamplingParams {
-            ignore_eos: true,
-            ..SamplingParams::default()
-        },
-        stop: vec![],
-        logprobs: false,
-        events: tx,
-        enqueued: Instant::now(),
-        priority: Priority::Normal,
-        span: tracing::Span::none(),
-    })));
+    let (mut req, mut goes_on) = request("goes-on", &[12], 6);
+    req.sampling.ignore_eos = true;
+    submit_request(&mut s, req);
     run_out(&mut s, 50);
     let (tokens, end) = received(&mut ends);
     assert_eq!(tokens, [13, 14]);
@@ -536,3 +521,5 @@ fn ignore_eos_masks_the_end_of_turn_token_and_runs_to_the_length() {
         "{end:?}"
     );
 }
+
+mod prefix;
