@@ -6,7 +6,7 @@
 //! ([`args::ServerArgs`]), etcd connections and leases ([`etcd`],
 //! [`lease`]), backoff with jitter ([`backoff`]), the async runtime
 //! ([`scheduler`]) and telemetry set-up ([`telemetry`], with the metrics
-//! recorder of [`histograms`]). No business logic lives here.
+//! recorder of [`histograms`] and the span exporter of [`otlp`]). No business logic lives here.
 #![forbid(unsafe_code)]
 
 pub mod args;
@@ -15,6 +15,7 @@ pub mod edge;
 pub mod etcd;
 pub mod histograms;
 pub mod lease;
+pub mod otlp;
 pub mod probes;
 pub mod readiness;
 pub mod reflection;

@@ -1,9 +1,11 @@
 //! Logs, traces and metrics set-up shared by every process, and W3C trace
 //! context carried in gRPC metadata (DESIGN.md, "Telemetry").
 //!
-//! Traces go to an OTLP/gRPC collector when an endpoint is configured; the
-//! batch exporter runs in the background, so a collector that is down costs
-//! dropped spans, never a slower or failed request. Sampling is
+//! Traces go to an OTLP/gRPC collector when an endpoint is configured,
+//! through the SDK's batch processor and tokenmesh's own exporter
+//! ([`crate::otlp`]); the batch processor runs in the background, so a
+//! collector that is down costs dropped spans, never a slower or failed
+//! request. Sampling is
 //! `--trace-sampling-ratio` (parent-based: a caller's sampled or unsampled
 //! trace context decides, a new trace is sampled at that ratio); without it,
 //! the standard `OTEL_TRACES_SAMPLER` / `OTEL_TRACES_SAMPLER_ARG` variables
@@ -25,6 +27,7 @@
 //! when `--metrics-listen` is given; the listener itself, which also answers
 //! the health probes, is [`crate::probes`].
 use crate::histograms::{MeshRecorder, MetricsHandle};
+use crate::otlp::{Headers, OtlpExporter};
 use metrics_exporter_prometheus::PrometheusBuilder;
 use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator};
 use opentelemetry::trace::{
@@ -32,7 +35,6 @@ use opentelemetry::trace::{
     TracerProvider as _,
 };
 use opentelemetry::{Context, KeyValue};
-use opentelemetry_otlp::WithExportConfig;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::{
     IdGenerator, RandomIdGenerator, Sampler, SamplingResult, SdkTracerProvider, ShouldSample,
@@ -40,6 +42,7 @@ use opentelemetry_sdk::trace::{
 use opentelemetry_sdk::Resource;
 use std::net::SocketAddr;
 use std::sync::OnceLock;
+use std::time::Duration;
 use tonic::metadata::{KeyAndValueRef, MetadataKey, MetadataMap, MetadataValue};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 use tracing_subscriber::layer::SubscriberExt;
@@ -65,6 +68,16 @@ pub struct TelemetryArgs {
     /// OTLP/gRPC endpoint that receives traces, e.g. http://jaeger:4317 (absent or empty: no export).
     #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
     pub otlp_endpoint: Option<String>,
+    /// Headers sent with every export, e.g. a collector's credentials:
+    /// comma-separated key=value pairs, values percent-encoded
+    /// (authorization=Bearer%20abc,x-tenant=mesh).
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_HEADERS")]
+    pub otlp_headers: Vec<Headers>,
+    /// Time limit of one export attempt, in milliseconds; a failed export
+    /// is retried (3 times at most, with backoff) only while less than this
+    /// has passed since it began.
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_TIMEOUT", default_value_t = 10_000)]
+    pub otlp_timeout_ms: u64,
     /// Share of new traces to sample, 0.0 to 1.0, parent-based: a request
     /// that carries a trace context keeps its caller's decision (absent: the
     /// standard OTEL_TRACES_SAMPLER / OTEL_TRACES_SAMPLER_ARG, by default
@@ -193,11 +206,12 @@ pub fn init(service: &str, args: &TelemetryArgs) -> Result<TelemetryGuard, Telem
     let endpoint = args.otlp_endpoint.as_ref().filter(|e| !e.trim().is_empty());
     let provider = match endpoint {
         Some(endpoint) => {
-            let exporter = opentelemetry_otlp::SpanExporter::builder()
-                .with_tonic()
-                .with_endpoint(endpoint.clone())
-                .build()
-                .map_err(|e| TelemetryError::Exporter(e.to_string()))?;
+            let exporter = OtlpExporter::new(
+                endpoint,
+                args.otlp_headers.iter().flat_map(|h| &h.0),
+                Duration::from_millis(args.otlp_timeout_ms.max(1)),
+            )
+            .map_err(|e| TelemetryError::Exporter(e.to_string()))?;
             let mut builder = SdkTracerProvider::builder()
                 .with_batch_exporter(exporter)
                 .with_resource(

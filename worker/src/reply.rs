@@ -239,7 +239,7 @@ impl Relay {
             .record("completion_tokens", self.completion_tokens);
         self.to
             .span
-            .record("finish_reason", tracing::field::debug(reason));
+            .record("finish_reason", reason.as_str());
         if !tail.is_empty() && !self.send(self.delta(vec![], tail, vec![])).await {
             return;
         }

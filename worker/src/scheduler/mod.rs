@@ -30,6 +30,20 @@ pub enum Finish {
     KvCacheFull,
 }
 
+impl Finish {
+    /// The variant's name, as traces record it (a `&str` records without
+    /// going through a formatter, which `Debug` would).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Finish::Stop => "Stop",
+            Finish::Length => "Length",
+            Finish::Eos => "Eos",
+            Finish::Cancelled => "Cancelled",
+            Finish::KvCacheFull => "KvCacheFull",
+        }
+    }
+}
+
 /// Names one stream on this worker: the client's request id (which several
 /// streams may share) and the attempt id of the call that opened it.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
