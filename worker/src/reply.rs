@@ -237,9 +237,7 @@ impl Relay {
         self.to
             .span
             .record("completion_tokens", self.completion_tokens);
-        self.to
-            .span
-            .record("finish_reason", reason.as_str());
+        self.to.span.record("finish_reason", reason.as_str());
         if !tail.is_empty() && !self.send(self.delta(vec![], tail, vec![])).await {
             return;
         }
