@@ -82,13 +82,13 @@ wait_for() { # wait until meshctl can list models at $1
 }
 ROUTER_ARGS=() # extra router flags for the next mesh
 WORKER_PIN=() ROUTER_PIN=() # e.g. (taskset -c 0): where the next mesh's worker and router run
-mesh() { # mesh NAME MODEL_NAME WORKER_ARGS...: one worker and a router; sets WORKER, ROUTER, ROUTER_PID
+mesh() { # mesh NAME MODEL_NAME WORKER_ARGS...: one worker and a router; sets WORKER, ROUTER, WORKER_PID, ROUTER_PID
   # (WORKER_LOG, WORKER_LOG_FORMAT: the worker's --log and --log-format, default warn and text)
   local name=$1 model=$2; shift 2
   local wp rp; wp=$(free_port); rp=$(free_port)
   "${WORKER_PIN[@]}" $BIN/tokenmesh-worker --insecure --listen 127.0.0.1:$wp --worker-id "$name" --model-name "$model" \
     --log "${WORKER_LOG:-warn}" --log-format "${WORKER_LOG_FORMAT:-text}" "$@" \
-    >"$OUT/$name-worker.log" 2>&1 & pids+=($!)
+    >"$OUT/$name-worker.log" 2>&1 & pids+=($!); WORKER_PID=$!
   printf '[[workers]]\nid = "%s"\nmodel = "%s"\nversion = "v1"\naddr = "http://127.0.0.1:%s"\n\n[models."%s"]\nstable = "v1"\n' \
     "$name" "$model" "$wp" "$model" >"$OUT/$name-static.toml"
   "${ROUTER_PIN[@]}" $BIN/tokenmesh-router --insecure --listen 127.0.0.1:$rp --static "$OUT/$name-static.toml" --log warn "${ROUTER_ARGS[@]}" \
@@ -334,26 +334,26 @@ fi # else nothing listens there: the collector is down
 obs_args=(--engine synthetic --synthetic-tokens-per-sec 1000 --max-batch 256 --queue-capacity 1024)
 ROUTER_ARGS=()
 mesh obs-off synthetic "${obs_args[@]}"
-OFF_WORKER=$WORKER; OFF_ROUTER=$ROUTER; OFF_PID=$ROUTER_PID
+OFF_WORKER=$WORKER; OFF_ROUTER=$ROUTER; OFF_PID=$ROUTER_PID; OFF_WPID=$WORKER_PID
 ratio_args=(); [ -n "${TRACE_RATIO:-}" ] && ratio_args=(--trace-sampling-ratio "$TRACE_RATIO")
 ROUTER_ARGS=(--otlp-endpoint "http://127.0.0.1:$sink_port" --metrics-listen "127.0.0.1:$(free_port)" "${ratio_args[@]}")
 mesh obs-on synthetic "${obs_args[@]}" --otlp-endpoint "http://127.0.0.1:$sink_port" --metrics-listen "127.0.0.1:$(free_port)" "${ratio_args[@]}"
-ON_ROUTER=$ROUTER; ON_PID=$ROUTER_PID
+ON_ROUTER=$ROUTER; ON_PID=$ROUTER_PID; ON_WPID=$WORKER_PID
 ROUTER_ARGS=()
 : >"$OUT/observability.jsonl"; : >"$OUT/observability-cpu.txt"
 for rep in $(seq "$REPS"); do
   for to in direct router-off router-on; do
     case $to in
-      direct) args=(--direct --target "$OFF_WORKER"); pid=$OFF_PID ;;
-      router-off) args=(--target "$OFF_ROUTER"); pid=$OFF_PID ;;
-      router-on) args=(--target "$ON_ROUTER"); pid=$ON_PID ;;
+      direct) args=(--direct --target "$OFF_WORKER"); pid=$OFF_PID; wpid=$OFF_WPID ;;
+      router-off) args=(--target "$OFF_ROUTER"); pid=$OFF_PID; wpid=$OFF_WPID ;;
+      router-on) args=(--target "$ON_ROUTER"); pid=$ON_PID; wpid=$ON_WPID ;;
     esac
-    before=$(cpu_secs "$pid"); sink_before=$([ -n "${SINK_PID:-}" ] && cpu_secs "$SINK_PID" || echo 0)
+    before=$(cpu_secs "$pid"); wbefore=$(cpu_secs "$wpid"); sink_before=$([ -n "${SINK_PID:-}" ] && cpu_secs "$SINK_PID" || echo 0)
     $BIN/meshctl bench "${args[@]}" --concurrency 100 --max-tokens 50 --prompt-words 32 \
       --duration 5 --warmup 1 --seed "$rep" --output json --no-progress | tag $to "$rep" >>"$OUT/observability.jsonl"
     # The sink's CPU is taken from the same two cores: part of the on runs' cost here.
     sink=$([ -n "${SINK_PID:-}" ] && awk -v a="$sink_before" -v b="$(cpu_secs "$SINK_PID")" 'BEGIN { print b - a }' || echo 0)
-    echo "$to rep $rep: router CPU $(awk -v a="$before" -v b="$(cpu_secs "$pid")" 'BEGIN { print b - a }') s, OTLP sink CPU $sink s" \
+    echo "$to rep $rep: router CPU $(awk -v a="$before" -v b="$(cpu_secs "$pid")" 'BEGIN { print b - a }') s, OTLP sink CPU $sink s, worker CPU $(awk -v a="$wbefore" -v b="$(cpu_secs "$wpid")" 'BEGIN { print b - a }') s" \
       | tee -a "$OUT/observability-cpu.txt"
   done
 done
