@@ -68,6 +68,9 @@ fi
 cpu_secs() { # utime + stime of a process, seconds
   awk -v hz="$(getconf CLK_TCK)" '{ print ($14 + $15) / hz }' "/proc/$1/stat"
 }
+since() { # since BEFORE NOW: NOW - BEFORE, for CPU seconds and clock readings
+  awk -v a="$1" -v b="$2" 'BEGIN { print b - a }'
+}
 pids=(); tmpdirs=()
 cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true
@@ -208,7 +211,7 @@ for rep in $(seq "$REPS"); do
     before=$(cpu_secs "$ROUTER_PID")
     $BIN/meshctl bench "${args[@]}" --concurrency 100 --max-tokens 200 --prompt-words 32 \
       --duration 4 --warmup 1 --seed "$rep" --output json --no-progress >>"$OUT/ceiling.jsonl"
-    echo "$to rep $rep: router CPU $(awk -v a="$before" -v b="$(cpu_secs "$ROUTER_PID")" 'BEGIN { print b - a }') s over 5 s" \
+    echo "$to rep $rep: router CPU $(since "$before" "$(cpu_secs "$ROUTER_PID")") s over 5 s" \
       | tee -a "$OUT/ceiling-router-cpu.txt"
   done
 done
@@ -250,8 +253,8 @@ for rep in $(seq "$REPS"); do
     line=$($BIN/meshctl bench "${args[@]}" --concurrency 100 --max-tokens 200 --prompt-words 32 \
       --duration 4 --warmup 1 --seed "$rep" --output json --no-progress | tag $to "$rep")
     echo "$line" >>"$OUT/proxies-ceiling.jsonl"
-    cpu=$(awk -v a="$before" -v b="$(tree_cpu_secs "$pid")" 'BEGIN { print b - a }')
-    wall=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { print b - a }')
+    cpu=$(since "$before" "$(tree_cpu_secs "$pid")")
+    wall=$(since "$t0" "$(date +%s.%N)")
     # Tokens the proxy streamed in the whole run (warm-up, window, drain) per
     # CPU-second it used; the window's rate times the wall time approximates them.
     tps=$(echo "$line" | python3 -c 'import json, sys; print(json.loads(sys.stdin.read())["output_tokens_per_sec"])')
@@ -304,8 +307,8 @@ for c in 20 100; do
         --duration 5 --warmup 1 --seed "$rep" --output json --no-progress | tag $to "$rep")
       echo "$line" >>"$OUT/hop-c$c.jsonl"
       [ -z "$pid" ] && continue
-      cpu=$(awk -v a="$before" -v b="$(tree_cpu_secs "$pid")" 'BEGIN { print b - a }')
-      wall=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { print b - a }')
+      cpu=$(since "$before" "$(tree_cpu_secs "$pid")")
+      wall=$(since "$t0" "$(date +%s.%N)")
       tps=$(echo "$line" | python3 -c 'import json, sys; print(json.loads(sys.stdin.read())["output_tokens_per_sec"])')
       # The window's rate times the run's wall time approximates the tokens
       # the proxy streamed over the run (warm-up, window and drain).
@@ -352,8 +355,8 @@ for rep in $(seq "$REPS"); do
     $BIN/meshctl bench "${args[@]}" --concurrency 100 --max-tokens 50 --prompt-words 32 \
       --duration 5 --warmup 1 --seed "$rep" --output json --no-progress | tag $to "$rep" >>"$OUT/observability.jsonl"
     # The sink's CPU is taken from the same two cores: part of the on runs' cost here.
-    sink=$([ -n "${SINK_PID:-}" ] && awk -v a="$sink_before" -v b="$(cpu_secs "$SINK_PID")" 'BEGIN { print b - a }' || echo 0)
-    echo "$to rep $rep: router CPU $(awk -v a="$before" -v b="$(cpu_secs "$pid")" 'BEGIN { print b - a }') s, OTLP sink CPU $sink s, worker CPU $(awk -v a="$wbefore" -v b="$(cpu_secs "$wpid")" 'BEGIN { print b - a }') s" \
+    sink=$([ -n "${SINK_PID:-}" ] && since "$sink_before" "$(cpu_secs "$SINK_PID")" || echo 0)
+    echo "$to rep $rep: router CPU $(since "$before" "$(cpu_secs "$pid")") s, OTLP sink CPU $sink s, worker CPU $(since "$wbefore" "$(cpu_secs "$wpid")") s" \
       | tee -a "$OUT/observability-cpu.txt"
   done
 done
@@ -423,7 +426,7 @@ for rep in $(seq "$REPS"); do
     before=$(cpu_secs "$ROUTER_PID")
     $BIN/meshctl bench "${args[@]}" --concurrency 100 --max-tokens 50 --prompt-words 32 \
       --duration "${OPENAI_DURATION:-5}" --warmup 1 --seed "$rep" --output json --no-progress | tag $to "$rep" >>"$OUT/openai.jsonl"
-    echo "$to rep $rep: router CPU $(awk -v a="$before" -v b="$(cpu_secs "$ROUTER_PID")" 'BEGIN { print b - a }') s" \
+    echo "$to rep $rep: router CPU $(since "$before" "$(cpu_secs "$ROUTER_PID")") s" \
       | tee -a "$OUT/openai-router-cpu.txt"
   done
 done

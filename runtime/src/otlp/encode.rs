@@ -6,12 +6,13 @@
 //! every span into owned protobuf structs (a `String` per attribute key and
 //! value), and prost then computes each nested message's length once per
 //! enclosing level (a span's attribute values five times over). That came to
-//! 45–58 k instructions per span, about two thirds of what tracing costs a
-//! request (issue 20, BENCHMARKS.md). Here each span is written once into a
-//! scratch buffer, lengths of the small messages inside it are added up as
-//! they are written, and only the outer levels are copied.
+//! 34–58 k instructions per span on the hosts measured, about half of what
+//! tracing costs a request (issue 20, BENCHMARKS.md). Here each message is
+//! written once, in place, with its key and length moved in front of it
+//! afterwards; the lengths of attributes, the bulk of a span, are added up
+//! as they are written.
 use opentelemetry::trace::{SpanId, SpanKind, Status};
-use opentelemetry::{Array, InstrumentationScope, KeyValue, Value};
+use opentelemetry::{Array, InstrumentationScope, Value};
 use opentelemetry_sdk::trace::SpanData;
 use opentelemetry_sdk::Resource;
 use prost::encoding::{encode_key, encode_varint, encoded_len_varint, key_len, WireType};
@@ -102,63 +103,31 @@ impl EncodedResource {
     }
 }
 
-/// One instrumentation scope's spans, encoded.
-struct ScopeBody<'a> {
-    scope: &'a InstrumentationScope,
-    spans: Vec<u8>,
-}
-
 /// Writes an `ExportTraceServiceRequest` holding `spans` under `resource`
 /// into `out`: one `ResourceSpans`, one `ScopeSpans` per instrumentation
 /// scope in the order the scopes first appear, as the SDK's exporter groups
 /// them.
 pub fn export_request(spans: &[SpanData], resource: &EncodedResource, out: &mut Vec<u8>) {
-    let mut scopes: Vec<ScopeBody<'_>> = Vec::new();
-    let mut scratch = Vec::with_capacity(1024);
+    let mut scopes: Vec<&InstrumentationScope> = Vec::new();
     for s in spans {
-        let i = match scopes
-            .iter()
-            .position(|b| *b.scope == s.instrumentation_scope)
-        {
-            Some(i) => i,
-            None => {
-                scopes.push(ScopeBody {
-                    scope: &s.instrumentation_scope,
-                    spans: Vec::with_capacity(spans.len() * 512),
-                });
-                scopes.len() - 1
-            }
-        };
-        scratch.clear();
-        span(s, &mut scratch);
-        message(tag::SCOPE_SPANS_SPANS, &scratch, &mut scopes[i].spans);
-    }
-
-    // The outer levels' lengths are sums of what is already written.
-    let mut heads = Vec::with_capacity(scopes.len());
-    let mut resource_spans_len = resource.0.len();
-    for b in &scopes {
-        let mut head = Vec::new();
-        scope(b.scope, &mut head);
-        let mut scope_field = Vec::new();
-        message(tag::SCOPE_SPANS_SCOPE, &head, &mut scope_field);
-        let mut tail = Vec::new();
-        if let Some(url) = b.scope.schema_url() {
-            string(tag::SCOPE_SPANS_SCHEMA_URL, url, &mut tail);
+        if !scopes.contains(&&s.instrumentation_scope) {
+            scopes.push(&s.instrumentation_scope);
         }
-        let len = scope_field.len() + b.spans.len() + tail.len();
-        resource_spans_len += field_len(tag::RESOURCE_SPANS_SCOPE_SPANS, len);
-        heads.push((scope_field, len, tail));
     }
-    out.reserve(field_len(tag::REQUEST_RESOURCE_SPANS, resource_spans_len));
-    length_prefix(tag::REQUEST_RESOURCE_SPANS, resource_spans_len, out);
-    out.extend_from_slice(&resource.0);
-    for (b, (scope_field, len, tail)) in scopes.iter().zip(heads) {
-        length_prefix(tag::RESOURCE_SPANS_SCOPE_SPANS, len, out);
-        out.extend_from_slice(&scope_field);
-        out.extend_from_slice(&b.spans);
-        out.extend_from_slice(&tail);
-    }
+    nested(tag::REQUEST_RESOURCE_SPANS, out, |rs| {
+        rs.extend_from_slice(&resource.0);
+        for sc in scopes {
+            nested(tag::RESOURCE_SPANS_SCOPE_SPANS, rs, |ss| {
+                nested(tag::SCOPE_SPANS_SCOPE, ss, |b| scope(sc, b));
+                for s in spans.iter().filter(|s| s.instrumentation_scope == *sc) {
+                    nested(tag::SCOPE_SPANS_SPANS, ss, |b| span(s, b));
+                }
+                if let Some(url) = sc.schema_url() {
+                    string(tag::SCOPE_SPANS_SCHEMA_URL, url, ss);
+                }
+            });
+        }
+    });
 }
 
 /// An `InstrumentationScope` message body.
@@ -192,48 +161,40 @@ fn span(s: &SpanData, out: &mut Vec<u8>) {
         out,
     );
     for e in &s.events.events {
-        let attrs = attributes_len(tag::EVENT_ATTRIBUTES, &e.attributes);
-        let time = nanos(e.timestamp);
-        let len = fixed64_len(tag::EVENT_TIME, time)
-            + string_len(tag::EVENT_NAME, &e.name)
-            + attrs
-            + uint_len(
+        nested(tag::SPAN_EVENTS, out, |b| {
+            fixed64(tag::EVENT_TIME, nanos(e.timestamp), b);
+            string(tag::EVENT_NAME, &e.name, b);
+            for kv in &e.attributes {
+                key_value(tag::EVENT_ATTRIBUTES, kv.key.as_str(), &kv.value, b);
+            }
+            uint(
                 tag::EVENT_DROPPED_ATTRIBUTES,
                 e.dropped_attributes_count.into(),
+                b,
             );
-        length_prefix(tag::SPAN_EVENTS, len, out);
-        fixed64(tag::EVENT_TIME, time, out);
-        string(tag::EVENT_NAME, &e.name, out);
-        for kv in &e.attributes {
-            key_value(tag::EVENT_ATTRIBUTES, kv.key.as_str(), &kv.value, out);
-        }
-        uint(
-            tag::EVENT_DROPPED_ATTRIBUTES,
-            e.dropped_attributes_count.into(),
-            out,
-        );
+        });
     }
     uint(tag::SPAN_DROPPED_EVENTS, s.events.dropped_count.into(), out);
     for l in &s.links.links {
         let lcx = &l.span_context;
-        let mut body = Vec::with_capacity(64);
-        bytes(tag::LINK_TRACE_ID, &lcx.trace_id().to_bytes(), &mut body);
-        bytes(tag::LINK_SPAN_ID, &lcx.span_id().to_bytes(), &mut body);
-        trace_state(tag::LINK_TRACE_STATE, lcx, &mut body);
-        for kv in &l.attributes {
-            key_value(tag::LINK_ATTRIBUTES, kv.key.as_str(), &kv.value, &mut body);
-        }
-        uint(
-            tag::LINK_DROPPED_ATTRIBUTES,
-            l.dropped_attributes_count.into(),
-            &mut body,
-        );
-        fixed32(
-            tag::LINK_FLAGS,
-            flags(lcx.is_remote(), lcx.trace_flags().to_u8()),
-            &mut body,
-        );
-        message(tag::SPAN_LINKS, &body, out);
+        nested(tag::SPAN_LINKS, out, |b| {
+            bytes(tag::LINK_TRACE_ID, &lcx.trace_id().to_bytes(), b);
+            bytes(tag::LINK_SPAN_ID, &lcx.span_id().to_bytes(), b);
+            trace_state(tag::LINK_TRACE_STATE, lcx, b);
+            for kv in &l.attributes {
+                key_value(tag::LINK_ATTRIBUTES, kv.key.as_str(), &kv.value, b);
+            }
+            uint(
+                tag::LINK_DROPPED_ATTRIBUTES,
+                l.dropped_attributes_count.into(),
+                b,
+            );
+            fixed32(
+                tag::LINK_FLAGS,
+                flags(lcx.is_remote(), lcx.trace_flags().to_u8()),
+                b,
+            );
+        });
     }
     uint(tag::SPAN_DROPPED_LINKS, s.links.dropped_count.into(), out);
     // Always present, as the SDK's exporter sends it.
@@ -242,10 +203,10 @@ fn span(s: &SpanData, out: &mut Vec<u8>) {
         Status::Ok => (1, ""),
         Status::Error { description } => (2, description.as_ref()),
     };
-    let len = string_len(tag::STATUS_MESSAGE, text) + uint_len(tag::STATUS_CODE, code);
-    length_prefix(tag::SPAN_STATUS, len, out);
-    string(tag::STATUS_MESSAGE, text, out);
-    uint(tag::STATUS_CODE, code, out);
+    nested(tag::SPAN_STATUS, out, |b| {
+        string(tag::STATUS_MESSAGE, text, b);
+        uint(tag::STATUS_CODE, code, b);
+    });
     fixed32(
         tag::SPAN_FLAGS,
         flags(s.parent_span_is_remote, cx.trace_flags().to_u8()),
@@ -360,24 +321,26 @@ fn array_len(a: &Array) -> usize {
 
 /// Length of the `AnyValue` message body holding `v`.
 fn any_len(v: &Value) -> usize {
-    match (scalar(v), v) {
-        (Some(s), _) => s.any_len(),
-        (None, Value::Array(a)) => field_len(tag::ANY_ARRAY, array_len(a)),
-        (None, _) => 0,
+    match v {
+        Value::Array(a) => field_len(tag::ANY_ARRAY, array_len(a)),
+        _ => scalar(v).map_or(0, Scalar::any_len),
     }
 }
 
 fn write_any(v: &Value, out: &mut Vec<u8>) {
-    match (scalar(v), v) {
-        (Some(s), _) => s.write_any(out),
-        (None, Value::Array(a)) => {
+    match v {
+        Value::Array(a) => {
             length_prefix(tag::ANY_ARRAY, array_len(a), out);
             for e in elements(a) {
                 length_prefix(tag::ARRAY_VALUES, e.any_len(), out);
                 e.write_any(out);
             }
         }
-        (None, _) => {}
+        _ => {
+            if let Some(s) = scalar(v) {
+                s.write_any(out);
+            }
+        }
     }
 }
 
@@ -394,13 +357,6 @@ fn key_value(tag: u32, key: &str, v: &Value, out: &mut Vec<u8>) {
     write_any(v, out);
 }
 
-fn attributes_len(tag: u32, attrs: &[KeyValue]) -> usize {
-    attrs
-        .iter()
-        .map(|kv| field_len(tag, key_value_len(kv.key.as_str(), &kv.value)))
-        .sum()
-}
-
 /// Length of a length-delimited field whose body is `len` bytes.
 fn field_len(tag: u32, len: usize) -> usize {
     key_len(tag) + encoded_len_varint(len as u64) + len
@@ -415,6 +371,19 @@ fn length_prefix(tag: u32, len: usize, out: &mut Vec<u8>) {
 fn message(tag: u32, body: &[u8], out: &mut Vec<u8>) {
     length_prefix(tag, body.len(), out);
     out.extend_from_slice(body);
+}
+
+/// A message field whose body `write` appends to `out`: the body is written
+/// in place and its key and length moved in front of it (a few bytes rotated
+/// past it), so nothing is measured twice. Attributes, the bulk of a span,
+/// have their small lengths added up instead ([`key_value`]).
+fn nested(tag: u32, out: &mut Vec<u8>, write: impl FnOnce(&mut Vec<u8>)) {
+    let start = out.len();
+    write(out);
+    let len = out.len() - start;
+    length_prefix(tag, len, out);
+    let prefix = out.len() - start - len;
+    out[start..].rotate_right(prefix);
 }
 
 // Scalar fields are left out at their default value, as proto3 (and prost)
@@ -445,26 +414,10 @@ fn uint(tag: u32, v: u64, out: &mut Vec<u8>) {
     }
 }
 
-fn uint_len(tag: u32, v: u64) -> usize {
-    if v == 0 {
-        0
-    } else {
-        key_len(tag) + encoded_len_varint(v)
-    }
-}
-
 fn fixed64(tag: u32, v: u64, out: &mut Vec<u8>) {
     if v != 0 {
         encode_key(tag, WireType::SixtyFourBit, out);
         out.extend_from_slice(&v.to_le_bytes());
-    }
-}
-
-fn fixed64_len(tag: u32, v: u64) -> usize {
-    if v == 0 {
-        0
-    } else {
-        key_len(tag) + 8
     }
 }
 
@@ -479,7 +432,7 @@ fn fixed32(tag: u32, v: u32, out: &mut Vec<u8>) {
 mod tests {
     use super::*;
     use opentelemetry::trace::{SpanContext, TraceFlags, TraceId, TraceState};
-    use opentelemetry::{Key, StringValue};
+    use opentelemetry::{Key, KeyValue, StringValue};
     use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
     use opentelemetry_proto::transform::common::tonic::ResourceAttributesWithSchema;
     use opentelemetry_proto::transform::trace::tonic::group_spans_by_resource_and_scope;
