@@ -5,6 +5,7 @@ use crate::pki::{channel, Creds};
 use anyhow::{Context, Result};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 use tonic::transport::Channel;
 
@@ -32,12 +33,46 @@ pub fn bin(name: &str) -> PathBuf {
     p
 }
 
-/// A port that was free a moment ago.
+/// A loopback port that is free now and that no earlier call in this
+/// process returned.
+///
+/// Drawn from below the kernel's ephemeral range: a port from `bind(0)`
+/// goes back into that range when probed, and the client sockets of the
+/// tests running beside this one could take it before the child binds it
+/// (CI saw a router refuse its `--http-listen` port that way). Ports below
+/// the range are never handed to clients; a per-process counter keeps two
+/// calls apart, and a start drawn from the process id keeps two test
+/// binaries apart.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("binding an ephemeral port")
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    const LOW: u32 = 10_000;
+    let high = ephemeral_low();
+    if high < LOW + 1_000 {
+        // No room below the range on this host: fall back to the kernel's pick.
+        return std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("binding an ephemeral port");
+    }
+    let span = high - LOW;
+    let start = std::process::id().wrapping_mul(2_654_435_761) % span;
+    for _ in 0..span {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = (LOW + (start + n) % span) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free loopback port between {LOW} and {high}")
+}
+
+/// The first port of the kernel's ephemeral range (Linux's default if it
+/// cannot be read).
+fn ephemeral_low() -> u32 {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32_768)
 }
 
 /// A child process killed (SIGKILL) when dropped, with its output in a log file.
