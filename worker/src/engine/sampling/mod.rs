@@ -135,6 +135,8 @@ pub fn argmax(logits: &[f32]) -> u32 {
 
 /// The natural-log probability of `token` under `logits` (after the
 /// repetition penalty, before temperature and truncation), for logprobs.
+/// Under `ignore_eos` the caller has masked the end-of-turn tokens, so the
+/// probability is over the other tokens, the distribution actually drawn from.
 pub fn logprob(logits: &[f32], token: u32) -> f32 {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let log_z = max + logits.iter().map(|x| (x - max).exp()).sum::<f32>().ln();

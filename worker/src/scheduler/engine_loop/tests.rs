@@ -522,4 +522,27 @@ fn ignore_eos_masks_the_end_of_turn_token_and_runs_to_the_length() {
     );
 }
 
+#[test]
+fn under_ignore_eos_a_logprob_is_over_the_tokens_that_could_be_drawn() {
+    let mut s = scheduler(config(1, 64));
+    let (mut req, mut rx) = request("masked", &[13], 3);
+    req.sampling.ignore_eos = true;
+    req.logprobs = true;
+    submit_request(&mut s, req);
+    run_out(&mut s, 50);
+    let mut got = vec![];
+    while let Ok(e) = rx.try_recv() {
+        if let Event::Token { id, logprob, .. } = e {
+            got.push((id, logprob.expect("logprobs were asked for")));
+        }
+    }
+    // 14 is the model's best; then the end-of-turn token is masked, and its
+    // runner-up (30 nats lower unmasked) is the only token left: certain.
+    let ids: Vec<u32> = got.iter().map(|g| g.0).collect();
+    assert_eq!(ids, [14, 0, 1]);
+    for (id, lp) in got {
+        assert!(lp.abs() < 1e-6, "token {id}: logprob {lp}, not 0");
+    }
+}
+
 mod prefix;
