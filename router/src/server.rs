@@ -74,15 +74,22 @@ fn incoming(
     let deadline = tokenmesh_proto::deadline::grpc_timeout(request.metadata())
         .map(|t| tokio::time::Instant::now() + t);
     let identity = identity_of(&request);
-    span.record("identity", identity.as_str());
     let (md, _, mut req) = request.into_parts();
-    check_request(&req)?;
-    // Only checked strings reach the span (and the log lines under it).
-    span.record("model", req.model.as_str());
+    if let Err(e) = check_request(&req) {
+        span.record("identity", identity.as_str());
+        return Err(e.into());
+    }
     if req.request_id.is_empty() {
         req.request_id = crate::ids::uuid_v4().to_string();
     }
-    span.record("request_id", req.request_id.as_str());
+    // Only checked strings reach the span (and the log lines under it); in
+    // one record call, which costs about 1 k instructions before its values.
+    tracing::record_all!(
+        span,
+        identity = identity.as_str(),
+        model = req.model.as_str(),
+        request_id = req.request_id.as_str(),
+    );
     let pin = match req.version.clone().filter(|v| !v.is_empty()) {
         Some(v) => Some(v),
         None => header(&md, headers::VERSION)

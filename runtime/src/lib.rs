@@ -6,7 +6,8 @@
 //! ([`args::ServerArgs`]), etcd connections and leases ([`etcd`],
 //! [`lease`]), backoff with jitter ([`backoff`]), the async runtime
 //! ([`scheduler`]) and telemetry set-up ([`telemetry`], with the metrics
-//! recorder of [`histograms`] and the span exporter of [`otlp`]). No business logic lives here.
+//! recorder of [`histograms`], the span exporter of [`otlp`] and the
+//! W3C trace-context headers of [`trace_context`]). No business logic lives here.
 #![forbid(unsafe_code)]
 
 pub mod args;
@@ -24,6 +25,7 @@ pub mod serve;
 pub mod shutdown;
 pub mod start;
 pub mod telemetry;
+pub mod trace_context;
 
 pub use args::ServerArgs;
 pub use backoff::Backoff;

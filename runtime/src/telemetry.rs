@@ -14,9 +14,10 @@
 //! The span layer records what the spans say and nothing per poll: no
 //! busy/idle timings, no thread or source-location attributes, and no
 //! OpenTelemetry context attached on every entry (tokenmesh propagates
-//! context from the span itself, [`inject`]). Each of those cost work on
-//! every poll of an instrumented task, which for a streaming relay is every
-//! token (issue 20).
+//! context from the span itself, [`inject`], in the headers that
+//! [`trace_context`] reads and writes). Each of those cost work on every
+//! poll of an instrumented task, which for a streaming relay is every token
+//! (issue 20).
 //!
 //! With `--trace-sampling-ratio`, a request's trace is decided before any of
 //! its spans exists ([`sampling`]): an unsampled request makes no spans at
@@ -28,8 +29,8 @@
 //! the health probes, is [`crate::probes`].
 use crate::histograms::{MeshRecorder, MetricsHandle};
 use crate::otlp::{Headers, OtlpExporter};
+use crate::trace_context::{self, TraceIdHex};
 use metrics_exporter_prometheus::PrometheusBuilder;
-use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator};
 use opentelemetry::trace::{
     Link, SpanContext, SpanKind, TraceContextExt, TraceFlags, TraceId, TraceState,
     TracerProvider as _,
@@ -43,7 +44,7 @@ use opentelemetry_sdk::Resource;
 use std::net::SocketAddr;
 use std::sync::OnceLock;
 use std::time::Duration;
-use tonic::metadata::{KeyAndValueRef, MetadataKey, MetadataMap, MetadataValue};
+use tonic::metadata::MetadataMap;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
@@ -292,8 +293,7 @@ impl Unsampled {
     /// Writes it (`traceparent` with the sampled flag clear) into outgoing
     /// metadata.
     pub fn inject(&self, md: &mut MetadataMap) {
-        let cx = Context::new().with_remote_span_context(self.0.clone());
-        TraceContextPropagator::new().inject_context(&cx, &mut MetadataInjector(md));
+        trace_context::write(&self.0, md);
     }
 }
 
@@ -310,8 +310,7 @@ pub fn sampling(md: &MetadataMap) -> Sampling {
 }
 
 fn decide(md: &MetadataMap, ratio: f64, ids: &impl IdGenerator) -> Sampling {
-    let parent = TraceContextPropagator::new().extract(&MetadataExtractor(md));
-    let parent = parent.span().span_context().clone();
+    let parent = trace_context::read(md).unwrap_or_else(SpanContext::empty_context);
     let (trace_id, state) = if parent.is_valid() {
         if parent.is_sampled() {
             return Sampling::Record;
@@ -371,53 +370,28 @@ impl ShouldSample for Gated {
     }
 }
 
-struct MetadataInjector<'a>(&'a mut MetadataMap);
-
-impl Injector for MetadataInjector<'_> {
-    fn set(&mut self, key: &str, value: String) {
-        if let (Ok(k), Ok(v)) = (
-            MetadataKey::from_bytes(key.as_bytes()),
-            MetadataValue::try_from(value.as_str()),
-        ) {
-            self.0.insert(k, v);
-        }
-    }
-}
-
-struct MetadataExtractor<'a>(&'a MetadataMap);
-
-impl Extractor for MetadataExtractor<'_> {
-    fn get(&self, key: &str) -> Option<&str> {
-        self.0.get(key).and_then(|v| v.to_str().ok())
-    }
-
-    fn keys(&self) -> Vec<&str> {
-        self.0
-            .iter()
-            .filter_map(|kv| match kv {
-                KeyAndValueRef::Ascii(k, _) => Some(k.as_str()),
-                KeyAndValueRef::Binary(_, _) => None,
-            })
-            .collect()
-    }
-}
-
-/// Writes the span's trace context (`traceparent`) into outgoing metadata.
+/// Writes the span's trace context (`traceparent`, and `tracestate` when
+/// there is one) into outgoing metadata.
 pub fn inject(span: &tracing::Span, md: &mut MetadataMap) {
-    let cx = span.context();
-    TraceContextPropagator::new().inject_context(&cx, &mut MetadataInjector(md));
+    trace_context::write(span.context().span().span_context(), md);
 }
 
 /// Makes `span` a child of the caller's trace context, if the metadata carries
 /// one, and records the trace id on it so log lines carry it.
 pub fn adopt_parent(span: &tracing::Span, md: &MetadataMap) {
-    let parent: Context = TraceContextPropagator::new().extract(&MetadataExtractor(md));
-    if parent.span().span_context().is_valid() {
-        let _ = span.set_parent(parent);
-    }
-    let trace_id = span.context().span().span_context().trace_id();
-    if trace_id != opentelemetry::TraceId::INVALID {
-        span.record("trace_id", tracing::field::display(trace_id));
+    let trace_id = if let Some(parent) = trace_context::read(md) {
+        let trace_id = parent.trace_id();
+        let _ = span.set_parent(Context::new().with_remote_span_context(parent));
+        // The child's trace is its parent's: asking the span would start it,
+        // and a started span takes each later attribute through the SDK
+        // span's lock instead of into its builder.
+        trace_id
+    } else {
+        // A root's trace id is drawn when the span starts.
+        span.context().span().span_context().trace_id()
+    };
+    if trace_id != TraceId::INVALID {
+        span.record("trace_id", TraceIdHex::new(trace_id).as_str());
     }
 }
 

@@ -532,6 +532,10 @@ async fn a_sampling_ratio_of_zero_keeps_only_the_traces_callers_sampled() {
             "router Generate lacks {key}"
         );
     }
+    // Recorded several to a call, each value under its own name.
+    assert_eq!(attr_str(router_gen, "arm"), "Stable");
+    assert_eq!(attr_str(router_gen, "attempts"), "1");
+    assert!(attr_str(router_gen, "candidates").contains(&attr_str(router_gen, "worker")));
     // And the worker's phases are attributes of its Generate span.
     let worker_gen = spans
         .iter()
@@ -539,6 +543,10 @@ async fn a_sampling_ratio_of_zero_keeps_only_the_traces_callers_sampled() {
         .map(|(_, s)| s)
         .unwrap();
     assert_eq!(worker_gen.parent_span_id, router_gen.span_id);
+    // The trace id the log lines carry is the trace's.
+    for span in [router_gen, worker_gen] {
+        assert_eq!(attr_str(span, "trace_id"), trace_id);
+    }
     for key in ["queue_ms", "prefill_ms", "decode_ms"] {
         match attr(worker_gen, key) {
             Some(Value::DoubleValue(ms)) => assert!(*ms >= 0.0, "{key} = {ms}"),

@@ -137,11 +137,7 @@ impl Relay {
                     prompt_tokens_cached,
                 }) => {
                     self.queued = queued;
-                    let span = &self.to.span;
-                    span.record("queue_ms", ms(queued));
-                    if let Some(cached) = prompt_tokens_cached {
-                        span.record("prompt_tokens_cached", cached);
-                    }
+                    tracing::record_all!(self.to.span, queue_ms = ms(queued), prompt_tokens_cached);
                     true
                 }
                 Some(Event::PromptCounted { tokens }) => {
@@ -171,9 +167,11 @@ impl Relay {
                     // only record of them in the trace: prefill from the
                     // batch's admission to the first token, decode after it.
                     if let Some(first) = first_token {
-                        let span = &self.to.span;
-                        span.record("prefill_ms", ms(first.saturating_sub(self.queued)));
-                        span.record("decode_ms", ms(total.saturating_sub(first)));
+                        tracing::record_all!(
+                            self.to.span,
+                            prefill_ms = ms(first.saturating_sub(self.queued)),
+                            decode_ms = ms(total.saturating_sub(first)),
+                        );
                     }
                     let timings = Timings {
                         queue_ms: ms(self.queued),
@@ -234,10 +232,11 @@ impl Relay {
         timings: Timings,
     ) {
         self.code = tonic::Code::Ok;
-        self.to
-            .span
-            .record("completion_tokens", self.completion_tokens);
-        self.to.span.record("finish_reason", reason.as_str());
+        tracing::record_all!(
+            self.to.span,
+            completion_tokens = self.completion_tokens,
+            finish_reason = reason.as_str(),
+        );
         if !tail.is_empty() && !self.send(self.delta(vec![], tail, vec![])).await {
             return;
         }

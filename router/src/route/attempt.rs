@@ -149,10 +149,8 @@ impl Attempts {
             let choice = self
                 .affinity
                 .choose(&candidates, !route.is_disabled(), &mut rand::rng());
-            if !route.is_disabled() {
-                route.record("candidates", choice.candidates.as_str());
-            }
             let Some(ep) = choice.worker else {
+                route.record("candidates", choice.candidates.as_str());
                 break;
             };
             if !self.tried.is_empty() {
@@ -161,6 +159,7 @@ impl Attempts {
                     _ => RetryReason::Refused,
                 };
                 if !self.budget.withdraw(reason) {
+                    route.record("candidates", choice.candidates.as_str());
                     return Err(RouterError::RetryBudgetExhausted {
                         last: last.map(|s| (s.code(), s.message().to_string())),
                     });
@@ -169,10 +168,15 @@ impl Attempts {
             if retry > 0 {
                 self.back_off(retry, emitted.len()).await?;
             }
-            route.record("worker", ep.id.as_str());
-            route.record("reason", choice.reason.as_str());
             self.tried.push(ep.id.clone());
-            route.record("attempts", self.tried.len());
+            // In one record call, as the version's fields are.
+            tracing::record_all!(
+                route,
+                candidates = choice.candidates.as_str(),
+                worker = ep.id.as_str(),
+                reason = choice.reason.as_str(),
+                attempts = self.tried.len(),
+            );
             match self.call(&ep, emitted, route).await {
                 Ok(upstream) => {
                     self.affinity.opened(&ep);

@@ -27,8 +27,8 @@
 use super::attempt::{Attempts, Upstream};
 use super::meter::StreamMeter;
 use super::pump::Outbox;
-use super::route_span;
 use super::wire::{EncodedDelta, Outgoing, WorkerMessage};
+use super::{route_span, version};
 use crate::admission::Permit;
 use crate::errors::RouterError;
 use std::time::Instant;
@@ -258,9 +258,12 @@ async fn fail_over(
     }
     client.failovers += 1;
     let route = route_span(&ctx.span, ctx.attempts.phase_spans());
-    route.record("version", ctx.accepted.version.as_str());
-    route.record("arm", tracing::field::debug(ctx.accepted.arm()));
-    route.record("failover", client.failovers);
+    tracing::record_all!(
+        route,
+        version = ctx.accepted.version.as_str(),
+        arm = version::arm_name(ctx.accepted.arm()),
+        failover = client.failovers,
+    );
     let next = match ctx.attempts.open(&client.emitted, &route).await {
         Ok(next) => next,
         Err(e) => {

@@ -14,6 +14,16 @@ pub struct VersionChoice {
     pub arm: Arm,
 }
 
+/// The arm's name as spans record it (its `Debug` name), without a formatter.
+pub fn arm_name(arm: Arm) -> &'static str {
+    match arm {
+        Arm::Unspecified => "Unspecified",
+        Arm::Stable => "Stable",
+        Arm::Canary => "Canary",
+        Arm::Pinned => "Pinned",
+    }
+}
+
 /// What the request asks for.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct VersionAsk<'a> {
