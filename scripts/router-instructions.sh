@@ -7,7 +7,8 @@
 # MESH=1 counts the worker too: it runs under callgrind as well and gets the same flags (a
 # --metrics-listen address becomes a free port of its own), and the count goes on 6 s past the
 # last request, longer than the batch span exporter's 5 s delay, so that the last requests'
-# spans are exported inside it (BENCHMARKS.md, "Telemetry's cost across the mesh").
+# spans are exported inside it (BENCHMARKS.md, "Telemetry's cost across the mesh"). Both log at
+# LOG (default warn; the servers' own default is info).
 set -euo pipefail
 BIN=$1; OUTP=$2; N=${3:-300}; C=${4:-4}; TOK=${5:-50}; if [ $# -ge 5 ]; then shift 5; else set --; fi
 EXTRA=("$@")
@@ -23,11 +24,11 @@ if [ -n "${MESH:-}" ]; then
   done
 fi
 wp=$(free_port); rp=$(free_port); d=$(mktemp -d)
-"${WORKER_CG[@]}" $BIN/tokenmesh-worker --insecure --listen 127.0.0.1:$wp --worker-id cg --model-name synthetic --log warn \
+"${WORKER_CG[@]}" $BIN/tokenmesh-worker --insecure --listen 127.0.0.1:$wp --worker-id cg --model-name synthetic --log "${LOG:-warn}" \
   --engine synthetic --synthetic-tokens-per-sec 1000 --max-batch 256 --queue-capacity 1024 "${WORKER_FLAGS[@]}" >$d/w.log 2>&1 & WP=$!
 printf '[[workers]]\nid = "cg"\nmodel = "synthetic"\nversion = "v1"\naddr = "http://127.0.0.1:%s"\n\n[models."synthetic"]\nstable = "v1"\n' $wp >$d/s.toml
 "${cg[@]}" --callgrind-out-file=$OUTP.%p \
-  $BIN/tokenmesh-router --insecure --listen 127.0.0.1:$rp --static $d/s.toml --log warn "${EXTRA[@]}" >$d/r.log 2>&1 & RP=$!
+  $BIN/tokenmesh-router --insecure --listen 127.0.0.1:$rp --static $d/s.toml --log "${LOG:-warn}" "${EXTRA[@]}" >$d/r.log 2>&1 & RP=$!
 trap 'kill $WP $RP 2>/dev/null || true; rm -rf "$d"' EXIT
 for _ in $(seq 600); do
   kill -0 $WP $RP 2>/dev/null || { echo "the worker or the router exited:" >&2; tail -n 5 $d/w.log $d/r.log >&2; exit 1; }
