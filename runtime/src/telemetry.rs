@@ -41,6 +41,7 @@ use opentelemetry_sdk::trace::{
     IdGenerator, RandomIdGenerator, Sampler, SamplingResult, SdkTracerProvider, ShouldSample,
 };
 use opentelemetry_sdk::Resource;
+use std::io::IsTerminal;
 use std::net::SocketAddr;
 use std::sync::OnceLock;
 use std::time::Duration;
@@ -240,7 +241,15 @@ pub fn init(service: &str, args: &TelemetryArgs) -> Result<TelemetryGuard, Telem
             }))
     });
     let fmt_layer = match args.log_format {
+        // Colours only on a terminal (where the crate's default, which
+        // honours NO_COLOR, stands): escape codes in a log file or a
+        // container's log are noise, and writing them around every field of
+        // every span is work the request path pays for (issue 20).
+        LogFormat::Text if std::io::stderr().is_terminal() => tracing_subscriber::fmt::layer()
+            .with_writer(std::io::stderr)
+            .boxed(),
         LogFormat::Text => tracing_subscriber::fmt::layer()
+            .with_ansi(false)
             .with_writer(std::io::stderr)
             .boxed(),
         LogFormat::Json => tracing_subscriber::fmt::layer()
