@@ -36,7 +36,6 @@ use opentelemetry::trace::{
     TracerProvider as _,
 };
 use opentelemetry::{Context, KeyValue};
-use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::{
     IdGenerator, RandomIdGenerator, Sampler, SamplingResult, SdkTracerProvider, ShouldSample,
 };
@@ -202,7 +201,6 @@ pub fn init(service: &str, args: &TelemetryArgs) -> Result<TelemetryGuard, Telem
         filter: args.log.clone(),
         message: e.to_string(),
     })?;
-    opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
 
     // An empty value (OTEL_EXPORTER_OTLP_ENDPOINT= in a compose file) means no export.
     let endpoint = args.otlp_endpoint.as_ref().filter(|e| !e.trim().is_empty());
@@ -241,17 +239,17 @@ pub fn init(service: &str, args: &TelemetryArgs) -> Result<TelemetryGuard, Telem
             }))
     });
     let fmt_layer = match args.log_format {
-        // Colours only on a terminal (where the crate's default, which
-        // honours NO_COLOR, stands): escape codes in a log file or a
-        // container's log are noise, and writing them around every field of
-        // every span is work the request path pays for (issue 20).
-        LogFormat::Text if std::io::stderr().is_terminal() => tracing_subscriber::fmt::layer()
-            .with_writer(std::io::stderr)
-            .boxed(),
-        LogFormat::Text => tracing_subscriber::fmt::layer()
-            .with_ansi(false)
-            .with_writer(std::io::stderr)
-            .boxed(),
+        LogFormat::Text => {
+            let mut layer = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+            // Colours only on a terminal (where the crate's default, which
+            // honours NO_COLOR, stands): escape codes in a log file or a
+            // container's log are noise, and writing them around every field
+            // of every span is work the request path pays for (issue 20).
+            if !std::io::stderr().is_terminal() {
+                layer = layer.with_ansi(false);
+            }
+            layer.boxed()
+        }
         LogFormat::Json => tracing_subscriber::fmt::layer()
             .json()
             .with_current_span(true)

@@ -89,13 +89,13 @@ pub struct EncodedResource(Vec<u8>);
 impl EncodedResource {
     /// Encodes `resource` as the SDK's exporter sends it.
     pub fn new(resource: &Resource) -> Self {
-        let mut attrs = Vec::new();
-        for (k, v) in resource.iter() {
-            key_value(tag::RESOURCE_ATTRIBUTES, k.as_str(), v, &mut attrs);
-        }
-        let mut out = Vec::with_capacity(attrs.len() + 8);
+        let mut out = Vec::new();
         // The SDK always sends a resource, even an empty one.
-        message(tag::RESOURCE_SPANS_RESOURCE, &attrs, &mut out);
+        nested(tag::RESOURCE_SPANS_RESOURCE, &mut out, |b| {
+            for (k, v) in resource.iter() {
+                key_value(tag::RESOURCE_ATTRIBUTES, k.as_str(), v, b);
+            }
+        });
         if let Some(url) = resource.schema_url() {
             string(tag::RESOURCE_SPANS_SCHEMA_URL, url, &mut out);
         }
@@ -367,12 +367,6 @@ fn length_prefix(tag: u32, len: usize, out: &mut Vec<u8>) {
     encode_varint(len as u64, out);
 }
 
-/// A message field: always written, as prost writes a `Some` message.
-fn message(tag: u32, body: &[u8], out: &mut Vec<u8>) {
-    length_prefix(tag, body.len(), out);
-    out.extend_from_slice(body);
-}
-
 /// A message field whose body `write` appends to `out`: the body is written
 /// in place and its key and length moved in front of it (a few bytes rotated
 /// past it), so nothing is measured twice. Attributes, the bulk of a span,
@@ -391,7 +385,8 @@ fn nested(tag: u32, out: &mut Vec<u8>, write: impl FnOnce(&mut Vec<u8>)) {
 
 fn bytes(tag: u32, b: &[u8], out: &mut Vec<u8>) {
     if !b.is_empty() {
-        message(tag, b, out);
+        length_prefix(tag, b.len(), out);
+        out.extend_from_slice(b);
     }
 }
 
